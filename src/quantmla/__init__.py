@@ -1,0 +1,16 @@
+"""quantmla: small and fast low-bit KV caches for Multi-Head Latent Attention models."""
+
+from quantmla.cache import QuantizedLatentCache
+from quantmla.models import disable_latent_attention, enable_latent_attention, get_adapter
+from quantmla.quant import parse_scheme
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantizedLatentCache",
+    "__version__",
+    "disable_latent_attention",
+    "enable_latent_attention",
+    "get_adapter",
+    "parse_scheme",
+]

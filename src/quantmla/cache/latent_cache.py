@@ -1,0 +1,246 @@
+"""``QuantizedLatentCache``: a transformers ``Cache`` holding the MLA latent in packed low-bit form.
+
+Per cache layer and sequence the tokens live in three stores, in position order:
+
+* the first ``sink`` tokens, unquantised;
+* the middle, quantised once when a token leaves the recent window (:class:`PathStore`);
+* the last ``recent`` tokens, unquantised.
+
+Content latent and RoPE key are stored separately, each in its scheme's format. ``update``
+returns the whole cached sequence for one softmax over all tokens. This is the reference torch
+path: quantised tokens are dequantised and then attended.
+
+Position policy: a decode step (one new token) sees exactly what the stores hold. A multi-token
+update (prefill, chunked prefill) attends its *own* new tokens at full precision, as they were
+computed, and stores them quantised for later steps; earlier tokens are seen as stored.
+
+``hp_dtype`` (the unquantised windows) defaults to the dtype of the model's activations, which is
+BF16 in production; byte counts are measured from the allocated tensors either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from quantmla.cache.store import PathStore
+from quantmla.models import families  # noqa: F401  (registers the adapters)
+from quantmla.models.adapter import MLADims, get_adapter
+from quantmla.quant.affine import check_group
+from quantmla.quant.fp8 import FP8_TILE
+from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme
+
+
+@dataclass(frozen=True)
+class LatentCacheConfig:
+    scheme: CacheScheme
+    kv_lora_rank: int
+    rope_dim: int
+    group_size: int = 64
+    sink: int = 4
+    recent: int = 128
+    page_size: int = 64
+    hp_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("sink", "recent"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size={self.page_size} must be positive")
+        for fmt, dim, what in (
+            (self.scheme.content, self.kv_lora_rank, "content latent"),
+            (self.scheme.rope, self.rope_dim, "RoPE key"),
+        ):
+            if fmt.kind == "int":
+                try:
+                    check_group(dim, self.group_size)
+                except ValueError as e:
+                    raise ValueError(f"{what}: {e}") from None
+            if fmt.kind == "fp8" and dim % FP8_TILE:
+                raise ValueError(f"{what} dim {dim} is not a multiple of the FP8 tile {FP8_TILE}")
+
+    def persistent_bytes_per_token(self, hp_bytes: int = 2) -> int:
+        """Formula bytes of one quantised token (both paths)."""
+        return self.scheme.bytes_per_token(self.kv_lora_rank, self.rope_dim, self.group_size)
+
+    def expected_nbytes(self, seq_len: int, batch: int = 1, hp_bytes: int = 2) -> int:
+        """Formula bytes of one cache layer holding ``seq_len`` tokens (no page rounding)."""
+        d = self.kv_lora_rank + self.rope_dim
+        if not self.scheme.quantized:
+            return batch * seq_len * d * hp_bytes
+        n_hp = min(seq_len, self.sink + self.recent)
+        return batch * (n_hp * d * hp_bytes + (seq_len - n_hp) * self.persistent_bytes_per_token())
+
+
+class QuantizedLatentLayer(DynamicLayer):
+    """One MLA layer of the cache (subclasses DynamicLayer for transformers' bookkeeping)."""
+
+    is_croppable = False
+
+    def __init__(self, cfg: LatentCacheConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        self.seen = 0
+
+    # -- transformers layer API -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cfg = self.cfg
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.hp_dtype = cfg.hp_dtype or key_states.dtype
+        b = key_states.shape[0]
+        hp = PathFormat("bf16")
+
+        def store(fmt: PathFormat, dim: int, page: int) -> PathStore:
+            return PathStore(fmt, dim, cfg.group_size, b, self.hp_dtype, self.device, page)
+
+        sink_page = max(cfg.sink, 1)  # the sink store never grows past `sink` tokens: allocate exactly
+        self.sink_c, self.sink_r = store(hp, cfg.kv_lora_rank, sink_page), store(hp, cfg.rope_dim, sink_page)
+        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank, cfg.page_size)
+        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim, cfg.page_size)
+        self.rec_c = torch.empty(b, 0, cfg.kv_lora_rank, dtype=self.hp_dtype, device=self.device)
+        self.rec_r = torch.empty(b, 0, cfg.rope_dim, dtype=self.hp_dtype, device=self.device)
+        self.keys = self.values = None  # the stores above hold the data
+        self.is_initialized = True
+
+    def _check(self, c: torch.Tensor, r: torch.Tensor) -> None:
+        cfg = self.cfg
+        if c.dim() != 4 or c.shape[1] != 1 or c.shape[-1] != cfg.kv_lora_rank or r.shape[-1] != cfg.rope_dim:
+            raise ValueError(
+                f"cache layer {self.layer_idx} was built for latent dim {cfg.kv_lora_rank} and RoPE dim "
+                f"{cfg.rope_dim} ([batch, 1, tokens, dim]); got latent {tuple(c.shape)} and RoPE key "
+                f"{tuple(r.shape)}: was the cache built for another model?"
+            )
+        if self.is_initialized and c.shape[0] != self.mid_c.batch:
+            raise ValueError(f"batch size changed from {self.mid_c.batch} to {c.shape[0]} within one cache")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new latent ``[B,1,S,d_c]`` and RoPE key ``[B,1,S,d_r]``; return all cached tokens."""
+        self._check(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cfg = self.cfg
+        c, r = key_states[:, 0], value_states[:, 0]
+        s = c.shape[1]
+        n_sink = min(max(cfg.sink - self.sink_c.length, 0), s) if cfg.scheme.quantized else 0
+        self.sink_c.append(c[:, :n_sink])
+        self.sink_r.append(r[:, :n_sink])
+        self.rec_c = torch.cat([self.rec_c, c[:, n_sink:].to(self.hp_dtype)], dim=1)
+        self.rec_r = torch.cat([self.rec_r, r[:, n_sink:].to(self.hp_dtype)], dim=1)
+        overflow = self.rec_c.shape[1] - cfg.recent if cfg.scheme.quantized else 0
+        if overflow > 0:
+            self.mid_c.append(self.rec_c[:, :overflow])
+            self.mid_r.append(self.rec_r[:, :overflow])
+            self.rec_c, self.rec_r = self.rec_c[:, overflow:].clone(), self.rec_r[:, overflow:].clone()
+        self.seen += s
+        out_c = self._view(self.sink_c, self.mid_c, self.rec_c, c.dtype)
+        out_r = self._view(self.sink_r, self.mid_r, self.rec_r, r.dtype)
+        if s > 1:  # the new tokens of a multi-token update are attended as computed
+            out_c[:, -s:] = c
+            out_r[:, -s:] = r
+        return out_c.unsqueeze(1), out_r.unsqueeze(1)
+
+    @staticmethod
+    def _view(sink, mid, rec: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([sink.dequantize(dtype), mid.dequantize(dtype), rec.to(dtype)], dim=1)
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.is_initialized = False
+        self.keys = self.values = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a quantised latent cache cannot be cropped: quantised tokens are not recoverable")
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r):
+            st.map_batch(fn)
+        self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    # -- accounting -----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        hp = sum(t.numel() * t.element_size() for t in (self.rec_c, self.rec_r))
+        return hp + sum(st.nbytes() for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r))
+
+
+class QuantizedLatentCache(Cache):
+    """A transformers ``Cache`` for MLA models that stores the latent packed in low-bit form.
+
+    Args:
+        config: the model's config (any supported MLA family).
+        scheme: ``bf16``, ``fp8`` or ``c<b>r<b>`` (content / RoPE bits in {2,3,4,8}), e.g. ``c4r4``.
+        group_size: channels per quantisation group (per token).
+        sink / recent: the first ``sink`` and last ``recent`` tokens stay unquantised.
+        page_size: quantised storage grows in pages of this many tokens.
+        hp_dtype: dtype of the unquantised windows (default: the model's activation dtype).
+    """
+
+    def __init__(
+        self,
+        config,
+        scheme: str | CacheScheme = "c4r4",
+        group_size: int = 64,
+        sink: int = 4,
+        recent: int = 128,
+        page_size: int = 64,
+        hp_dtype: torch.dtype | None = None,
+    ) -> None:
+        adapter = get_adapter(config)
+        dims: MLADims = adapter.dims(config)
+        self.cache_config = LatentCacheConfig(
+            scheme=parse_scheme(scheme),
+            kv_lora_rank=dims.kv_lora_rank,
+            rope_dim=dims.rope_dim,
+            group_size=group_size,
+            sink=sink,
+            recent=recent,
+            page_size=page_size,
+            hp_dtype=hp_dtype,
+        )
+        layers = [QuantizedLatentLayer(self.cache_config, i) for i in range(adapter.num_cache_layers(config))]
+        super().__init__(layers=layers)
+
+    @property
+    def scheme(self) -> CacheScheme:
+        return self.cache_config.scheme
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx={layer_idx} out of range: this cache has {len(self.layers)} layers")
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def nbytes(self) -> int:
+        """Bytes of all allocated cache storage (codes, scales, minima and unquantised windows)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def bytes_per_token(self) -> float:
+        """Allocated bytes per token per layer, averaged over the batch."""
+        seq = self.get_seq_length()
+        layer0 = self.layers[0]
+        if seq == 0 or not layer0.is_initialized:
+            return 0.0
+        return self.nbytes() / (len(self.layers) * seq * layer0.mid_c.batch)

@@ -1,0 +1,94 @@
+"""Packed storage of one cached path (content latent or RoPE key) for a batch of sequences.
+
+Tokens are quantised once, when they are appended, and kept packed: integer codes bit-packed into
+uint8 with fp16 scale/minimum per group, or FP8 e4m3 with a float32 power-of-two scale per 128
+values, or the unquantised values. Capacity grows in whole pages of ``page_size`` tokens, so the
+allocated bytes are what :meth:`PathStore.nbytes` reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.quant.affine import dequantize_groups, quantize_groups
+from quantmla.quant.fp8 import FP8_TILE, dequantize_fp8, quantize_fp8
+from quantmla.quant.packing import pack_codes, unpack_codes
+from quantmla.quant.scheme import PathFormat
+
+
+class PathStore:
+    def __init__(
+        self,
+        fmt: PathFormat,
+        dim: int,
+        group_size: int,
+        batch: int,
+        hp_dtype: torch.dtype,
+        device: torch.device,
+        page_size: int = 64,
+    ) -> None:
+        self.fmt, self.dim, self.group_size, self.page_size = fmt, dim, group_size, page_size
+        self.batch, self.hp_dtype, self.device = batch, hp_dtype, device
+        self.length = 0
+        self.tensors: dict[str, torch.Tensor] = {
+            name: torch.empty(batch, 0, width, dtype=dt, device=device) for name, (width, dt) in self._fields().items()
+        }
+
+    def _fields(self) -> dict[str, tuple[int, torch.dtype]]:
+        d = self.dim
+        if self.fmt.kind == "bf16":
+            return {"values": (d, self.hp_dtype)}
+        if self.fmt.kind == "fp8":
+            return {"values": (d, torch.float8_e4m3fn), "scale": (d // FP8_TILE, torch.float32)}
+        g = d // self.group_size
+        return {
+            "codes": (d * self.fmt.bits // 8, torch.uint8),
+            "scale": (g, torch.float16),
+            "minimum": (g, torch.float16),
+        }
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.tensors.values())).shape[1]
+
+    def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.fmt.kind == "bf16":
+            return {"values": x.to(self.hp_dtype)}
+        if self.fmt.kind == "fp8":
+            q = quantize_fp8(x)
+            return {"values": q.values, "scale": q.scale}
+        q = quantize_groups(x, self.fmt.bits, self.group_size)
+        return {"codes": pack_codes(q.codes, self.fmt.bits), "scale": q.scale, "minimum": q.minimum}
+
+    def append(self, x: torch.Tensor) -> None:
+        """Quantise and store ``x`` of shape ``[batch, n, dim]``."""
+        n = x.shape[1]
+        if n == 0:
+            return
+        need = self.length + n
+        if need > self.capacity:
+            cap = -(-need // self.page_size) * self.page_size
+            for name, t in self.tensors.items():
+                grown = torch.empty(self.batch, cap, t.shape[-1], dtype=t.dtype, device=t.device)
+                grown[:, : self.length] = t[:, : self.length]
+                self.tensors[name] = grown
+        for name, v in self._encode(x).items():
+            self.tensors[name][:, self.length : need] = v
+        self.length = need
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        t = {k: v[:, : self.length] for k, v in self.tensors.items()}
+        if self.fmt.kind == "bf16":
+            return t["values"].to(dtype)
+        if self.fmt.kind == "fp8":
+            return dequantize_fp8(t["values"], t["scale"], FP8_TILE, dtype)
+        codes = unpack_codes(t["codes"], self.fmt.bits, self.dim)
+        return dequantize_groups(codes, t["scale"], t["minimum"], self.group_size, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def map_batch(self, fn) -> None:
+        """Apply ``fn`` (e.g. an ``index_select`` on dim 0) to every stored tensor."""
+        self.tensors = {k: fn(v) for k, v in self.tensors.items()}
+        self.batch = next(iter(self.tensors.values())).shape[0]

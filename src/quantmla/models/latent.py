@@ -1,0 +1,150 @@
+"""Absorbed (latent) MLA attention through transformers' own extension points.
+
+transformers' MLA modules (>= 5.15) cache the latent ``(c_t, k^R_t)`` and re-expand it through
+``kv_b_proj`` on every step (``expand_kv``). ``enable_latent_attention`` replaces that per module
+with a pass-through and registers an attention function that computes, per METHOD.md section 1,
+
+    s_{h,t} = scale * ((q_h^nope @ W_UK,h) . c_t + q_h^pe . k^R_t),
+    o_h = (sum_t softmax(s_h)_t c_t) @ W_UV,h.T,
+
+so the cache is read as the 576-wide latent only. Module globals are never touched.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from quantmla.models import families  # noqa: F401  (registers the adapters)
+from quantmla.models.adapter import MLAAdapter, get_adapter
+
+ATTN_IMPLEMENTATION = "quantmla_latent"
+_STATE_ATTR = "_quantmla_latent"
+
+
+def _latent_mask(*args, **kwargs):
+    """Always materialise a boolean mask (True = attend): the latent path never skips it."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _passthrough_expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+    """Replacement for ``expand_kv``: hand the latent and the RoPE key on unexpanded."""
+    return kv_nope, k_rot
+
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Reference absorbed MLA attention.
+
+    Shapes: ``q_nope [B,H,S,d_n]``, ``q_pe [B,H,S,d_r]``, ``latent [B,1,L,d_c]``,
+    ``rope_key [B,1,L,d_r]``, ``w_uk [H,d_n,d_c]``, ``w_uv [H,d_v,d_c]``; ``mask`` boolean
+    ``[B or 1,1,S,L]`` (True = attend), additive float, or None (causal, aligned to the end).
+    Returns ``[B,S,H,d_v]``.
+    """
+    q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
+    scores = q_lat @ latent.transpose(-1, -2) + q_pe @ rope_key.transpose(-1, -2)
+    acc = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(acc) * scale
+    s, l_kv = scores.shape[-2], scores.shape[-1]
+    if mask is None and s > 1:
+        pos_q = torch.arange(s, device=scores.device).unsqueeze(1) + (l_kv - s)
+        mask = torch.arange(l_kv, device=scores.device).unsqueeze(0) <= pos_q
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(acc).min)
+        else:
+            scores = scores + mask.to(acc)
+    probs = torch.softmax(scores, dim=-1).to(latent.dtype)
+    o_lat = probs @ latent  # [B,H,S,d_c]
+    out = torch.einsum("bhsc,hvc->bhsv", o_lat, w_uv.to(o_lat.dtype))
+    return out.transpose(1, 2).contiguous()
+
+
+def latent_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """Attention function registered as ``quantmla_latent``.
+
+    With the pass-through ``expand_kv``, ``key`` is the content latent ``[B,1,L,d_c]`` and
+    ``value`` the RoPE key ``[B,1,L,d_r]`` exactly as the cache returned them.
+    """
+    state = getattr(module, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but latent "
+            "attention was not enabled on it; call quantmla.enable_latent_attention(model)"
+        )
+    if dropout and module.training:
+        raise NotImplementedError("latent attention is an inference path: attention dropout is not supported")
+    adapter: MLAAdapter = state
+    nope = module.qk_nope_head_dim
+    q_nope, q_pe = query[..., :nope], query[..., nope:]
+    scale = module.scaling if scaling is None else scaling
+    out = absorbed_attention(
+        q_nope, q_pe, key, value, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask
+    )
+    return out, None
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, latent_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _latent_mask)
+
+
+def _set_attn_implementation(model: nn.Module, name: str) -> None:
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
+
+
+def enable_latent_attention(model: nn.Module) -> nn.Module:
+    """Switch every MLA module of ``model`` to absorbed attention over the cached latent (in place)."""
+    adapter = get_adapter(model)
+    _register()
+    modules = list(adapter.attention_modules(model))
+    if not modules:
+        raise ValueError(f"no {adapter.attention_classes} modules found in {type(model).__name__}")
+    if not hasattr(model, "_quantmla_prev_attn"):
+        model._quantmla_prev_attn = model.config._attn_implementation
+    for _, attn in modules:
+        attn.expand_kv = types.MethodType(_passthrough_expand_kv, attn)
+        setattr(attn, _STATE_ATTR, adapter)
+    _set_attn_implementation(model, ATTN_IMPLEMENTATION)
+    return model
+
+
+def disable_latent_attention(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_latent_attention`."""
+    adapter = get_adapter(model)
+    for _, attn in adapter.attention_modules(model):
+        attn.__dict__.pop("expand_kv", None)
+        attn.__dict__.pop(_STATE_ATTR, None)
+    prev = model.__dict__.pop("_quantmla_prev_attn", None)
+    if prev is not None:
+        _set_attn_implementation(model, prev)
+    return model
+
+
+def is_latent_attention_enabled(model: nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
