@@ -1,0 +1,147 @@
+"""Rebuild the bundled model's English corpus from Debian documentation packages (offline).
+
+Sources (Debian bookworm, fetched with ``apt-get download``, unpacked with ``dpkg -x``):
+
+* ``python3.11-doc``: the reStructuredText sources of the Python 3.11 documentation (PSF licence);
+* ``debian-reference-en``: the Debian Reference, English HTML (GPL-2+, Osamu Aoki);
+* ``debian-handbook``: The Debian Administrator's Handbook, en-US HTML (GPL-2+ or CC-BY-SA-3.0,
+  Raphaël Hertzog and Roland Mas).
+
+Each file is one document. Documents are split train / validation / test (90 / 5 / 5) by a hash of
+their path, so the split is deterministic and no document straddles two splits.
+
+    python scripts/build_corpus.py --out .data/corpus
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import html.parser
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+PACKAGES = {
+    "python3.11-doc": "PSF-2.0 (Python Software Foundation License), Python documentation authors",
+    "debian-reference-en": "GPL-2+ (Osamu Aoki, Debian Reference)",
+    "debian-handbook": "GPL-2.0+ or CC-BY-SA-3.0 (Raphael Hertzog and Roland Mas, The Debian Administrator's Handbook)",
+}
+SPLITS = (("train", 90), ("validation", 95), ("test", 100))
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`")
+_DIRECTIVE = re.compile(
+    r"^\s*\.\. (index|_[^:]*|highlight|module|moduleauthor|sectionauthor|testsetup|testcleanup|currentmodule)::?"
+)
+_BLOCKS = {"p", "div", "br", "li", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "tr", "dt", "dd", "table", "section"}
+
+
+class _HTMLText(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self.skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in ("script", "style", "head", "nav"):
+            self.skip += 1
+        elif tag in _BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in ("script", "style", "head", "nav"):
+            self.skip = max(0, self.skip - 1)
+        elif tag in _BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self.skip:
+            self.parts.append(data)
+
+
+def html_to_text(raw: str) -> str:
+    p = _HTMLText()
+    p.feed(raw)
+    return "".join(p.parts)
+
+
+def rst_to_text(raw: str) -> str:
+    lines = [ln for ln in raw.splitlines() if not _DIRECTIVE.match(ln)]
+    return _ROLE.sub("`", "\n".join(lines))
+
+
+def normalise(text: str) -> str:
+    lines = [re.sub(r"(?<=\S)[ \t]+", " ", ln).rstrip() for ln in text.splitlines()]
+    text = "\n".join(lines)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def collect(root: Path) -> list[tuple[str, str, str]]:
+    """``(package, relative path, text)`` for every document, sorted by path."""
+    docs = []
+    py = root / "usr/share/doc/python3.11/html/_sources"
+    for f in sorted(py.rglob("*.rst.txt")):
+        docs.append(("python3.11-doc", str(f.relative_to(root)), rst_to_text(f.read_text("utf-8"))))
+    for f in sorted((root / "usr/share/debian-reference").glob("*.en.html")):
+        docs.append(("debian-reference-en", str(f.relative_to(root)), html_to_text(f.read_text("utf-8"))))
+    for f in sorted((root / "usr/share/doc/debian-handbook/html/en-US").glob("*.html")):
+        docs.append(("debian-handbook", str(f.relative_to(root)), html_to_text(f.read_text("utf-8"))))
+    out = []
+    for pkg, rel, text in docs:
+        text = normalise(text)
+        if len(text) >= 200:  # drop near-empty index pages
+            out.append((pkg, rel, text))
+    return out
+
+
+def split_of(rel: str) -> str:
+    bucket = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 100
+    return next(name for name, upper in SPLITS if bucket < upper)
+
+
+def fetch(workdir: Path) -> dict[str, str]:
+    versions = {}
+    for pkg in PACKAGES:
+        subprocess.run(["apt-get", "download", pkg], cwd=workdir, check=True, capture_output=True)
+    for deb in sorted(workdir.glob("*.deb")):
+        subprocess.run(["dpkg", "-x", str(deb), str(workdir / "root")], check=True)
+        name, version = deb.name.split("_")[:2]
+        versions[name] = version
+    return versions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(".data/corpus"))
+    ap.add_argument("--unpacked", type=Path, default=None, help="an already unpacked root (skips apt-get)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.unpacked is None:
+            versions = fetch(Path(tmp))
+            root = Path(tmp) / "root"
+        else:
+            versions, root = {}, args.unpacked
+        docs = collect(root)
+    splits: dict[str, list[str]] = {name: [] for name, _ in SPLITS}
+    card: dict = {"packages": {p: {"licence": lic, "version": versions.get(p)} for p, lic in PACKAGES.items()}}
+    per_split: dict[str, dict] = {name: {"documents": 0, "bytes": 0, "by_package": {}} for name, _ in SPLITS}
+    for pkg, rel, text in docs:
+        s = split_of(rel)
+        splits[s].append(text)
+        st = per_split[s]
+        st["documents"] += 1
+        st["by_package"][pkg] = st["by_package"].get(pkg, 0) + 1
+    for name, texts in splits.items():
+        body = "\n\n".join(texts) + "\n"
+        (args.out / f"{name}.txt").write_text(body, "utf-8")
+        per_split[name]["bytes"] = len(body.encode("utf-8"))
+        per_split[name]["sha256"] = hashlib.sha256(body.encode("utf-8")).hexdigest()
+    card["splits"] = per_split
+    (args.out / "corpus.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Train the bundled ``builtin:tiny-mla`` model: a small DeepSeek-V3-class MLA language model.
+
+    python scripts/train_tiny_mla.py --tokens .data/tokenizer --out out/tiny-mla --max-minutes 5
+
+Real MLA cache geometry (latent 128 = 2 groups of 64, RoPE key 64, q_lora_rank set) scaled down to
+~8.5M parameters; all MLPs dense. Seeded; the config hash, data hashes, loss curve and the best
+checkpoint (lowest validation loss) are written to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+
+def model_config(vocab_size: int, eos_id: int, pad_id: int) -> DeepseekV3Config:
+    layers = 8
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=640,
+        moe_intermediate_size=640,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,  # every MLP dense
+        n_routed_experts=1,
+        n_shared_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_interleave=True,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def batches(data: np.ndarray, batch: int, seq: int, gen: np.random.Generator):
+    while True:
+        starts = gen.integers(0, len(data) - seq - 1, size=batch)
+        x = np.stack([data[s : s + seq + 1] for s in starts]).astype(np.int64)
+        yield torch.from_numpy(x)
+
+
+@torch.no_grad()
+def evaluate(model, data: np.ndarray, seq: int, device, max_windows: int = 64) -> float:
+    model.eval()
+    n = min(max_windows, (len(data) - 1) // seq)
+    losses = []
+    for i in range(0, n, 16):
+        idx = range(i, min(n, i + 16))
+        x = torch.from_numpy(np.stack([data[j * seq : j * seq + seq + 1] for j in idx]).astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x[:, :-1]).logits.float()
+        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+    model.train()
+    return float(torch.stack(losses).sum() / (n * seq))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=Path, default=Path(".data/tokenizer"))
+    ap.add_argument("--out", type=Path, default=Path("out/tiny-mla"))
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--max-minutes", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stats = json.loads((args.tokens / "tokenizer_stats.json").read_text())
+    train = np.load(args.tokens / "train.u16.npy")
+    val = np.load(args.tokens / "validation.u16.npy")
+    config = model_config(stats["vocab_size"], stats["eos_id"], stats["pad_id"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    gen = np.random.default_rng(args.seed)
+    it = batches(train, args.batch, args.seq, gen)
+    curve, best = [], (float("inf"), -1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model.train()
+    step = 0
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x = next(it).to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        last = step == args.steps - 1 or (time.time() - t0) > args.max_minutes * 60
+        if step % args.eval_every == 0 or last:
+            v = evaluate(model, val, args.seq, device)
+            curve.append({"step": step, "train_loss": float(loss), "val_loss": v, "seconds": time.time() - t0})
+            print(
+                f"step {step} train {float(loss):.3f} val {v:.3f} ppl {math.exp(v):.1f} {time.time() - t0:.0f}s",
+                flush=True,
+            )
+            if v < best[0]:
+                best = (v, step)
+                model.save_pretrained(args.out / "model", max_shard_size="12MB", safe_serialization=True)
+        if last:
+            break
+    train_seconds = time.time() - t0
+    # ship bf16 weights (<= 25 MB); the best checkpoint was saved in fp32, convert it
+    best_model = AutoModelForCausalLM.from_pretrained(args.out / "model", dtype=torch.float32)
+    best_model.to(torch.bfloat16).save_pretrained(args.out / "model", max_shard_size="12MB", safe_serialization=True)
+    log = {
+        "config_sha256": hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest(),
+        "train_tokens_sha256": sha256_file(args.tokens / "train.u16.npy"),
+        "validation_tokens_sha256": sha256_file(args.tokens / "validation.u16.npy"),
+        "parameters": n_params,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "steps_run": step + 1,
+        "tokens_seen": (step + 1) * args.batch * args.seq,
+        "train_seconds": train_seconds,
+        "best_val_loss": best[0],
+        "best_val_ppl": math.exp(best[0]),
+        "best_step": best[1],
+        "curve": curve,
+    }
+    (args.out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([c["step"] for c in curve], [c["train_loss"] for c in curve], label="train (batch)")
+        ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(f"tiny-mla, {n_params / 1e6:.1f}M params")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out / "loss_curve.png", dpi=120)
+    except ImportError:
+        print("matplotlib missing: no loss_curve.png")
+    print(json.dumps({k: v for k, v in log.items() if k != "curve"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
