@@ -2,6 +2,7 @@
 
 from quantmla.cache import QuantizedLatentCache
 from quantmla.models import disable_latent_attention, enable_latent_attention, get_adapter
+from quantmla.models.loading import load
 from quantmla.quant import parse_scheme
 
 __version__ = "0.1.0"
@@ -12,5 +13,6 @@ __all__ = [
     "disable_latent_attention",
     "enable_latent_attention",
     "get_adapter",
+    "load",
     "parse_scheme",
 ]

@@ -1,3 +1,5 @@
+import json
+
 from typer.testing import CliRunner
 
 from quantmla.cli.main import app
@@ -8,18 +10,36 @@ runner = CliRunner()
 def test_demo_small():
     res = runner.invoke(
         app,
-        ["demo", "--prompt-len", "40", "--new-tokens", "4", "--recent", "8", "--schemes", "bf16,c4r4", "--batch", "1"],
+        ["demo", "--num-seqs", "1", "--seq-len", "160", "--new-tokens", "4", "--schemes", "bf16,c4r4"],
         terminal_width=200,
     )
     assert res.exit_code == 0, res.output
-    assert "c4r4" in res.output and "bf16" in res.output
-    assert "324.0" in res.output or "324." in res.output  # C4R4 at 128K: 324 B/token + windows
+    assert "Perplexity on the bundled test split" in res.output
+    assert "324.8" in res.output  # C4R4 at 128K, DeepSeek geometry, measured from storage
 
 
 def test_demo_bad_scheme_is_a_clear_error():
     res = runner.invoke(app, ["demo", "--schemes", "bf16,int3"], terminal_width=200)
     assert res.exit_code != 0
     assert "unknown cache scheme 'int3'" in res.output
+
+
+def test_eval_ppl_json():
+    res = runner.invoke(app, ["eval", "ppl", "--scheme", "bf16,c2r4", "--num-seqs", "1", "--seq-len", "200",
+                              "--recent", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    r = {x["scheme"]: x for x in out["results"]}
+    assert r["bf16"]["tokens"] == 199 and r["c2r4"]["recent"] == 16
+    assert 1 < r["bf16"]["ppl"] < 1000 and r["c2r4"]["ppl"] != r["bf16"]["ppl"]
+    assert r["c2r4"]["bytes_per_token"] < r["bf16"]["bytes_per_token"]
+
+
+def test_eval_ppl_errors():
+    res = runner.invoke(app, ["eval", "ppl", "--scheme", "c9r4", "--num-seqs", "1"])
+    assert res.exit_code != 0 and "unknown cache scheme 'c9r4'" in res.output
+    res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "100000"])
+    assert res.exit_code != 0 and "num_seqs=100000" in res.output
 
 
 def test_version():

@@ -13,6 +13,7 @@ so the cache is read as the 576-wide latent only. Module globals are never touch
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,14 +97,30 @@ def latent_attention_forward(
         )
     if dropout and module.training:
         raise NotImplementedError("latent attention is an inference path: attention dropout is not supported")
-    adapter: MLAAdapter = state
+    adapter = state.adapter
     nope = module.qk_nope_head_dim
     q_nope, q_pe = query[..., :nope], query[..., nope:]
     scale = module.scaling if scaling is None else scaling
-    out = absorbed_attention(
-        q_nope, q_pe, key, value, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask
-    )
+    attend = absorbed_attention if state.simulation is None else state.simulation.attend
+    out = attend(q_nope, q_pe, key, value, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask)
     return out, None
+
+
+@dataclass
+class LatentModuleState:
+    """What latent attention keeps on each MLA module."""
+
+    adapter: MLAAdapter
+    #: when set, an object whose ``attend`` replaces :func:`absorbed_attention` (e.g. the decode-cache
+    #: simulation of ``quantmla eval ppl``)
+    simulation: object | None = None
+
+
+def module_states(model: nn.Module) -> list[LatentModuleState]:
+    states = [getattr(m, _STATE_ATTR) for m in model.modules() if hasattr(m, _STATE_ATTR)]
+    if not states:
+        raise ValueError("latent attention is not enabled on this model; call quantmla.enable_latent_attention")
+    return states
 
 
 def _register() -> None:
@@ -129,7 +146,7 @@ def enable_latent_attention(model: nn.Module) -> nn.Module:
         model._quantmla_prev_attn = model.config._attn_implementation
     for _, attn in modules:
         attn.expand_kv = types.MethodType(_passthrough_expand_kv, attn)
-        setattr(attn, _STATE_ATTR, adapter)
+        setattr(attn, _STATE_ATTR, LatentModuleState(adapter))
     _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     return model
 

@@ -11,8 +11,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from quantmla.quant.affine import QUANT_BITS
-from quantmla.quant.fp8 import FP8_TILE
+import torch
+
+from quantmla.quant.affine import QUANT_BITS, quantize_groups
+from quantmla.quant.fp8 import FP8_TILE, quantize_fp8
 
 PathKind = Literal["bf16", "int", "fp8"]
 _INT_RE = re.compile(r"^c(\d+)r(\d+)$")
@@ -34,6 +36,14 @@ class PathFormat:
     @property
     def quantized(self) -> bool:
         return self.kind != "bf16"
+
+    def fake_quantize(self, x: torch.Tensor, group_size: int = 64) -> torch.Tensor:
+        """``x`` stored and read back in this format (per token, so it equals the cache's values)."""
+        if self.kind == "bf16":
+            return x
+        if self.kind == "fp8":
+            return quantize_fp8(x).dequantize(x.dtype)
+        return quantize_groups(x, self.bits, group_size).dequantize(x.dtype)
 
     def bytes_per_token(self, dim: int, group_size: int, hp_bytes: int = 2) -> int:
         """Persistent bytes for one token's ``dim`` values in this format."""

@@ -1,0 +1,76 @@
+"""``quantmla eval``: quality of a model under a quantised latent cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from quantmla.models.loading import DEFAULT_MODEL
+
+app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise typer.BadParameter(f"dtype {name!r} unknown; valid: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def results_table(title: str, results) -> Table:
+    t = Table(title=title)
+    for col in ("scheme", "sink+recent", "perplexity", "vs first", "bytes/token", "vs bf16", "tokens"):
+        t.add_column(col, justify="right")
+    base = results[0].ppl
+    for r in results:
+        t.add_row(r.scheme, f"{r.sink}+{r.recent}", f"{r.ppl:.3f}", f"{100 * (r.ppl / base - 1):+.2f}%",
+                  f"{r.bytes_per_token:.1f}", f"{r.bf16_bytes_per_token / r.bytes_per_token:.2f}x", str(r.tokens))
+    return t
+
+
+@app.command()
+def ppl(
+    model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
+    scheme: str = typer.Option("bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, "
+                               "c2r4, c<b>r<b>."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
+    num_seqs: int = typer.Option(None, min=1, help="Windows to evaluate (default: all full windows of the text)."),
+    sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),
+    recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
+    no_sink_recent: bool = typer.Option(False, "--no-sink-recent", help="Quantise every token (sink=recent=0)."),
+    group_size: int = typer.Option(64, min=1, help="Channels per quantisation group."),
+    batch_size: int = typer.Option(8, min=1, help="Windows per forward."),
+    text: Path = typer.Option(None, "--text", help="Evaluate this UTF-8 text file instead of the bundled test split."),
+    dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
+    split: str = typer.Option("test", help="Split of --dataset, or of the bundled text (validation/test)."),
+    column: str = typer.Option("text", help="Text column of --dataset."),
+    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16, float64."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Perplexity with the cache as decode sees it (sinks and the last `recent` tokens unquantised)."""
+    from quantmla.eval.ppl import PerplexityConfig, perplexity
+    from quantmla.models.loading import load, load_text
+
+    if no_sink_recent:
+        sink, recent = 0, 0
+    try:
+        cfgs = [PerplexityConfig(scheme=s.strip(), seq_len=seq_len, num_seqs=num_seqs, sink=sink, recent=recent,
+                                 group_size=group_size, batch_size=batch_size)
+                for s in scheme.split(",") if s.strip()]
+        body = load_text(text, dataset, split, column)
+        m, tok = load(model, dtype=_dtype(dtype), device=device)
+        results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if as_json:
+        typer.echo(json.dumps({"model": model, "results": [r.to_dict() for r in results]}, indent=2))
+        return
+    src = str(text or dataset or f"bundled {split} split")
+    Console().print(results_table(f"{model}: perplexity on {src}, {results[0].sequences} x {seq_len} tokens", results))

@@ -1,0 +1,85 @@
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import quantmla
+from quantmla.models.loading import builtin_path, builtin_text, load_text, resolve_model_path
+from quantmla.models.tiny import tiny_model
+
+
+def test_builtin_loads_offline():
+    model, tok = quantmla.load("builtin:tiny-mla")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    cfg = model.config
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (128, 64) and cfg.q_lora_rank is not None
+    n = sum(p.numel() for p in model.parameters())
+    assert 8e6 <= n <= 15e6
+    size = sum(f.stat().st_size for f in builtin_path("tiny-mla").glob("*.safetensors"))
+    assert size <= 25e6
+    ids = tok("The Python interpreter", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+    assert torch.isfinite(loss)
+
+
+def test_bundled_text_splits():
+    assert len(builtin_text("test")) > 100_000 and len(builtin_text("validation")) > 100_000
+    with pytest.raises(ValueError, match="'validation' and 'test'"):
+        builtin_text("train")
+
+
+def test_unknown_builtin():
+    with pytest.raises(ValueError, match="unknown builtin model 'nope'; valid: builtin:tiny-mla"):
+        resolve_model_path("builtin:nope")
+
+
+def test_hub_id_without_network_explains_what_to_do():
+    with pytest.raises(ValueError, match="never downloads.*--local-dir DIR"):
+        resolve_model_path("deepseek-ai/DeepSeek-V2-Lite")
+
+
+def _copy_tokenizer(dst):
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path("tiny-mla") / f, dst / f)
+
+
+def test_local_directory_and_kimi_config(tmp_path):
+    m = tiny_model("deepseek_v3", dtype=torch.float32)
+    m.save_pretrained(tmp_path)
+    _copy_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"  # as Kimi-K2 ships it; AutoConfig rejects it
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded, _ = quantmla.load(str(tmp_path))
+    ids = torch.randint(3, 256, (1, 7))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, m(ids).logits, atol=1e-6)
+
+
+def test_bad_paths(tmp_path):
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_model_path(tmp_path / "f.txt")
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_path(tmp_path)
+
+
+def test_non_mla_directory_rejected(tmp_path):
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not a supported MLA architecture"):
+        quantmla.load(str(tmp_path))
+
+
+def test_load_text(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_text("hello world")
+    assert load_text(p) == "hello world"
+    with pytest.raises(ValueError, match="does not exist"):
+        load_text(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="not both"):
+        load_text(p, dataset=tmp_path)
