@@ -25,10 +25,11 @@ def test_demo_bad_scheme_is_a_clear_error():
 
 
 def test_eval_ppl_json():
-    res = runner.invoke(app, ["eval", "ppl", "--scheme", "bf16,c2r4", "--num-seqs", "1", "--seq-len", "200",
-                              "--recent", "16", "--json"])
+    res = runner.invoke(
+        app, ["eval", "ppl", "--scheme", "bf16,c2r4", "--num-seqs", "1", "--seq-len", "200", "--recent", "16", "--json"]
+    )
     assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout[res.stdout.index("{"):])
+    out = json.loads(res.stdout[res.stdout.index("{") :])
     r = {x["scheme"]: x for x in out["results"]}
     assert r["bf16"]["tokens"] == 199 and r["c2r4"]["recent"] == 16
     assert 1 < r["bf16"]["ppl"] < 1000 and r["c2r4"]["ppl"] != r["bf16"]["ppl"]

@@ -68,8 +68,14 @@ def test_bad_paths(tmp_path):
 
 
 def test_non_mla_directory_rejected(tmp_path):
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a supported MLA architecture"):
         quantmla.load(str(tmp_path))

@@ -53,15 +53,22 @@ def generate_side_by_side(model, tokenizer, cfg: DemoConfig) -> list[GenerationR
     for name in cfg.schemes:
         cache = QuantizedLatentCache(model.config, scheme=name, sink=cfg.sink, recent=cfg.recent)
         out = model.generate(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=cfg.new_tokens,
-            min_new_tokens=cfg.new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=cfg.new_tokens,
+            min_new_tokens=cfg.new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
             **cache_kwargs(cache),
         )[:, cfg.prompt_len :]
         baseline = out if baseline is None else baseline
         same = (out == baseline)[0]
         diverged = (~same).nonzero()
-        rows.append(GenerationRow(name, same.float().mean().item(), int(diverged[0]) if len(diverged) else None,
-                                  tokenizer.decode(out[0])))
+        rows.append(
+            GenerationRow(
+                name, same.float().mean().item(), int(diverged[0]) if len(diverged) else None, tokenizer.decode(out[0])
+            )
+        )
     return rows
 
 
@@ -77,8 +84,9 @@ def production_bytes(schemes, contexts=(4096, 131072), sink: int = 4, recent: in
             cache = QuantizedLatentCache(cfg, scheme=name, sink=sink, recent=recent)
             for start in range(0, ctx, 8192):
                 n = min(8192, ctx - start)
-                cache.update(torch.randn(1, 1, n, 512, dtype=torch.bfloat16),
-                             torch.randn(1, 1, n, 64, dtype=torch.bfloat16), 0)
+                cache.update(
+                    torch.randn(1, 1, n, 512, dtype=torch.bfloat16), torch.randn(1, 1, n, 64, dtype=torch.bfloat16), 0
+                )
             row.append(cache.bytes_per_token())
         out.append(tuple(row))
     return out
@@ -88,25 +96,42 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
     torch.manual_seed(cfg.seed)
     model, tok = load(cfg.model)
     enable_latent_attention(model)
-    console.print(f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/], RTN (no transform), sink {cfg.sink} + "
-                  f"recent {cfg.recent}, group 64")
+    console.print(
+        f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/], RTN (no transform), sink {cfg.sink} + "
+        f"recent {cfg.recent}, group 64"
+    )
     results = [
-        perplexity(model, tok, builtin_text("test"),
-                   PerplexityConfig(scheme=s, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink,
-                                    recent=cfg.recent), progress=True)
+        perplexity(
+            model,
+            tok,
+            builtin_text("test"),
+            PerplexityConfig(scheme=s, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink, recent=cfg.recent),
+            progress=True,
+        )
         for s in cfg.schemes
     ]
-    console.print(results_table(f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens; "
-                                "bytes/token of this model's cache)", results))
+    console.print(
+        results_table(
+            f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens; "
+            "bytes/token of this model's cache)",
+            results,
+        )
+    )
 
     rows = generate_side_by_side(model, tok, cfg)
-    t = Table(title=f"Greedy generation, {cfg.prompt_len}-token prompt + {cfg.new_tokens} tokens, "
-                    f"through QuantizedLatentCache")
+    t = Table(
+        title=f"Greedy generation, {cfg.prompt_len}-token prompt + {cfg.new_tokens} tokens, "
+        f"through QuantizedLatentCache"
+    )
     for col in ("scheme", "tokens = first", "first divergence", "continuation"):
         t.add_column(col, justify="right" if col != "continuation" else "left")
     for r in rows:
-        t.add_row(r.scheme, f"{100 * r.agreement:.0f}%", "-" if r.first_divergence is None else str(r.first_divergence),
-                  r.text.replace("\n", "⏎")[:70])
+        t.add_row(
+            r.scheme,
+            f"{100 * r.agreement:.0f}%",
+            "-" if r.first_divergence is None else str(r.first_divergence),
+            r.text.replace("\n", "⏎")[:70],
+        )
     console.print(t)
 
     t2 = Table(title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64), measured from allocated storage")

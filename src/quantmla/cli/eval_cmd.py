@@ -29,16 +29,24 @@ def results_table(title: str, results) -> Table:
         t.add_column(col, justify="right")
     base = results[0].ppl
     for r in results:
-        t.add_row(r.scheme, f"{r.sink}+{r.recent}", f"{r.ppl:.3f}", f"{100 * (r.ppl / base - 1):+.2f}%",
-                  f"{r.bytes_per_token:.1f}", f"{r.bf16_bytes_per_token / r.bytes_per_token:.2f}x", str(r.tokens))
+        t.add_row(
+            r.scheme,
+            f"{r.sink}+{r.recent}",
+            f"{r.ppl:.3f}",
+            f"{100 * (r.ppl / base - 1):+.2f}%",
+            f"{r.bytes_per_token:.1f}",
+            f"{r.bf16_bytes_per_token / r.bytes_per_token:.2f}x",
+            str(r.tokens),
+        )
     return t
 
 
 @app.command()
 def ppl(
     model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
-    scheme: str = typer.Option("bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, "
-                               "c2r4, c<b>r<b>."),
+    scheme: str = typer.Option(
+        "bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b>."
+    ),
     seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
     num_seqs: int = typer.Option(None, min=1, help="Windows to evaluate (default: all full windows of the text)."),
     sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),
@@ -61,9 +69,19 @@ def ppl(
     if no_sink_recent:
         sink, recent = 0, 0
     try:
-        cfgs = [PerplexityConfig(scheme=s.strip(), seq_len=seq_len, num_seqs=num_seqs, sink=sink, recent=recent,
-                                 group_size=group_size, batch_size=batch_size)
-                for s in scheme.split(",") if s.strip()]
+        cfgs = [
+            PerplexityConfig(
+                scheme=s.strip(),
+                seq_len=seq_len,
+                num_seqs=num_seqs,
+                sink=sink,
+                recent=recent,
+                group_size=group_size,
+                batch_size=batch_size,
+            )
+            for s in scheme.split(",")
+            if s.strip()
+        ]
         body = load_text(text, dataset, split, column)
         m, tok = load(model, dtype=_dtype(dtype), device=device)
         results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]

@@ -32,8 +32,9 @@ def main(
 @app.command()
 def demo(
     model: str = typer.Option("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
-    schemes: str = typer.Option("bf16,fp8,c4r4,c2r4", help="Comma-separated cache schemes; the first is the "
-                                "reference."),
+    schemes: str = typer.Option(
+        "bf16,fp8,c4r4,c2r4", help="Comma-separated cache schemes; the first is the reference."
+    ),
     num_seqs: int = typer.Option(16, min=1, help="Test windows for perplexity."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per window."),
     new_tokens: int = typer.Option(48, min=1, help="Greedy tokens to generate."),
@@ -44,8 +45,15 @@ def demo(
     from quantmla.cli.demo import DemoConfig, render
 
     try:
-        cfg = DemoConfig(model=model, schemes=tuple(s.strip() for s in schemes.split(",") if s.strip()),
-                         num_seqs=num_seqs, seq_len=seq_len, new_tokens=new_tokens, sink=sink, recent=recent)
+        cfg = DemoConfig(
+            model=model,
+            schemes=tuple(s.strip() for s in schemes.split(",") if s.strip()),
+            num_seqs=num_seqs,
+            seq_len=seq_len,
+            new_tokens=new_tokens,
+            sink=sink,
+            recent=recent,
+        )
         render(cfg, Console())
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -92,9 +92,7 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         for start in tqdm(batches, desc=f"ppl {cfg.scheme}", disable=not progress, unit="batch"):
             x = windows[start : start + cfg.batch_size].to(device)
             logits = model(x, use_cache=False).logits.float()
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum"
-            )
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
             total += float(nll)
             count += x[:, 1:].numel()
     nll = total / count

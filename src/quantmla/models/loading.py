@@ -87,8 +87,9 @@ def builtin_text(split: str = "test") -> str:
     return (builtin_path("tiny-mla") / "data" / f"{split}.txt").read_text("utf-8")
 
 
-def load_text(text_file: str | Path | None = None, dataset: str | Path | None = None, split: str = "test",
-              column: str = "text") -> str:
+def load_text(
+    text_file: str | Path | None = None, dataset: str | Path | None = None, split: str = "test", column: str = "text"
+) -> str:
     """Evaluation text: a local file, a ``datasets`` dataset saved with ``save_to_disk``, or the bundled split."""
     if text_file is not None and dataset is not None:
         raise ValueError("give either a text file or a dataset directory, not both")
@@ -101,7 +102,9 @@ def load_text(text_file: str | Path | None = None, dataset: str | Path | None = 
         try:
             from datasets import load_from_disk
         except ImportError:
-            raise ValueError("reading a saved dataset needs the 'datasets' package: pip install 'quantmla[eval]'") from None
+            raise ValueError(
+                "reading a saved dataset needs the 'datasets' package: pip install 'quantmla[eval]'"
+            ) from None
         ds = load_from_disk(str(dataset))
         if hasattr(ds, "keys"):  # a DatasetDict
             if split not in ds:

@@ -1,0 +1,398 @@
+"""MLA decode attention in Triton over a paged latent cache: BF16 and fused low-bit (INT4/INT2 content,
+INT4 RoPE key).
+
+One query token per sequence. The query is absorbed: ``q_lat = q_nope @ W_UK`` (``[B, H, d_c]``)
+and ``q_pe`` (``[B, H, d_r]``); the kernel returns ``o_lat = softmax(s) @ c`` (``[B, H, d_c]``,
+before ``W_UV``) and the log-sum-exp of the scaled scores, like FlashMLA.
+
+Work split (split-KV): program ``(b, split, head_group)`` walks a contiguous range of sequence
+``b``'s pages, with every query head of the group sharing each loaded KV tile, so a tile is read
+and dequantised once per head group (once per sequence for h <= 64). The unquantised tokens of a
+sequence (sinks and the recent window, in a small BF16 buffer) form one more split. A combine pass
+merges the splits by log-sum-exp.
+
+The content latent is handled as four planes of ``d_c / 4`` channels and the RoPE key as two planes
+of ``d_r / 2``; with the plane-major packing of :mod:`quantmla.kernels.layout` each plane is one
+shift-and-mask of a byte column, then one fused multiply-add with its group's scale and minimum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from quantmla.kernels.layout import PagedLatentStore
+
+
+@triton.jit
+def _scale_plane(
+    x, srow, mrow, tmask, k: tl.constexpr, PL: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr
+):
+    """Dequantise one plane ``x [BLOCK_T, PL]`` (codes as float32) of channels ``k*PL ...``."""
+    if PL >= G:
+        GP: tl.constexpr = PL // G
+        gidx = k * GP + tl.arange(0, GP)
+        s = tl.load(srow[:, None] + gidx[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        m = tl.load(mrow[:, None] + gidx[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        y = tl.reshape(x, (BLOCK_T, GP, G)) * s[:, :, None] + m[:, :, None]
+        y = tl.reshape(y, (BLOCK_T, PL))
+    else:
+        gi: tl.constexpr = (k * PL) // G
+        s = tl.load(srow + gi, mask=tmask, other=0.0).to(tl.float32)
+        m = tl.load(mrow + gi, mask=tmask, other=0.0).to(tl.float32)
+        y = x * s[:, None] + m[:, None]
+    return y.to(DT)
+
+
+@triton.jit
+def _attend(
+    q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT: tl.constexpr
+):
+    # DT is bfloat16 on the GPU; float32 under the CPU interpreter, whose bf16 dot is not numeric and
+    # whose bf16 casts truncate
+    c0, c1, c2, c3, r0, r1 = c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), r0.to(DT), r1.to(DT)
+    qk = tl.dot(q0.to(DT), tl.trans(c0))
+    qk += tl.dot(q1.to(DT), tl.trans(c1))
+    qk += tl.dot(q2.to(DT), tl.trans(c2))
+    qk += tl.dot(q3.to(DT), tl.trans(c3))
+    qk += tl.dot(qr0.to(DT), tl.trans(r0))
+    qk += tl.dot(qr1.to(DT), tl.trans(r1))
+    qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pb = p.to(DT)
+    a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+    a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
+    a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
+    a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+    return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _load_bf16_rows(row_ptr, tmask, DC: tl.constexpr, PL: tl.constexpr, RPL: tl.constexpr):
+    """Planes of BF16 token rows ``[c | k^R]`` (``row_ptr``: one pointer per token)."""
+    cp = tl.arange(0, PL)[None, :]
+    rp = tl.arange(0, RPL)[None, :]
+    msk = tmask[:, None]
+    c0 = tl.load(row_ptr[:, None] + cp, mask=msk, other=0.0)
+    c1 = tl.load(row_ptr[:, None] + PL + cp, mask=msk, other=0.0)
+    c2 = tl.load(row_ptr[:, None] + 2 * PL + cp, mask=msk, other=0.0)
+    c3 = tl.load(row_ptr[:, None] + 3 * PL + cp, mask=msk, other=0.0)
+    r0 = tl.load(row_ptr[:, None] + DC + rp, mask=msk, other=0.0)
+    r1 = tl.load(row_ptr[:, None] + DC + RPL + rp, mask=msk, other=0.0)
+    return c0, c1, c2, c3, r0, r1
+
+
+@triton.jit
+def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, a3, PL: tl.constexpr):
+    has = l_i > 0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LP + (b * NS + split) * H + heads, lse, mask=hmask)
+    obase = OP + ((b * NS + split) * H + heads)[:, None] * (4 * PL) + tl.arange(0, PL)[None, :]
+    msk = hmask[:, None]
+    tl.store(obase, a0 * inv[:, None], mask=msk)
+    tl.store(obase + PL, a1 * inv[:, None], mask=msk)
+    tl.store(obase + 2 * PL, a2 * inv[:, None], mask=msk)
+    tl.store(obase + 3 * PL, a3 * inv[:, None], mask=msk)
+
+
+@triton.jit
+def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, PL: tl.constexpr, RPL: tl.constexpr):
+    qb = Q + (b * H + heads)[:, None] * DC + tl.arange(0, PL)[None, :]
+    msk = hmask[:, None]
+    q0 = tl.load(qb, mask=msk, other=0.0)
+    q1 = tl.load(qb + PL, mask=msk, other=0.0)
+    q2 = tl.load(qb + 2 * PL, mask=msk, other=0.0)
+    q3 = tl.load(qb + 3 * PL, mask=msk, other=0.0)
+    qrb = QR + (b * H + heads)[:, None] * DR + tl.arange(0, RPL)[None, :]
+    qr0 = tl.load(qrb, mask=msk, other=0.0)
+    qr1 = tl.load(qrb + RPL, mask=msk, other=0.0)
+    return q0, q1, q2, q3, qr0, qr1
+
+
+@triton.jit
+def _paged_kernel(
+    Q,
+    QR,
+    CC,
+    CS,
+    CM,
+    RC,
+    RS,
+    RM,
+    BT,
+    NPAGED,
+    OP,
+    LP,
+    H,
+    MAXP,
+    NS,
+    NSP,
+    scale_log2,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    G: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CBITS: tl.constexpr,
+    RBITS: tl.constexpr,
+    DT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    hg = tl.program_id(2)
+    PL: tl.constexpr = DC // 4
+    RPL: tl.constexpr = DR // 2
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a1 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a2 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a3 = tl.zeros([BLOCK_H, PL], tl.float32)
+
+    n = tl.load(NPAGED + b)
+    npages = tl.cdiv(n, PAGE)
+    per = tl.cdiv(npages, NS)
+    p0 = split * per
+    p1 = tl.minimum(p0 + per, npages)
+    NG: tl.constexpr = DC // G
+    NGR: tl.constexpr = DR // G
+    for p in range(p0, p1):
+        page = tl.load(BT + b * MAXP + p).to(tl.int64)
+        for t0 in tl.static_range(0, PAGE, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            tmask = p * PAGE + rows < n
+            tok = page * PAGE + rows  # physical token index
+            if CBITS == 16:
+                c0, c1, c2, c3, r0, r1 = _load_bf16_rows(CC + tok * (DC + DR), tmask, DC, PL, RPL)
+            else:
+                msk = tmask[:, None]
+                cp = tl.arange(0, PL)[None, :]
+                srow = CS + tok * NG
+                mrow = CM + tok * NG
+                if CBITS == 4:  # byte j: channel j (low nibble), channel j + DC/2 (high nibble)
+                    cb = CC + tok[:, None] * (DC // 2) + cp
+                    lo = tl.load(cb, mask=msk, other=0)
+                    hi = tl.load(cb + PL, mask=msk, other=0)
+                    x0 = (lo & 15).to(tl.float32)
+                    x1 = (hi & 15).to(tl.float32)
+                    x2 = (lo >> 4).to(tl.float32)
+                    x3 = (hi >> 4).to(tl.float32)
+                else:  # 2 bits: byte j holds channels j, j + DC/4, j + DC/2, j + 3DC/4
+                    byt = tl.load(CC + tok[:, None] * (DC // 4) + cp, mask=msk, other=0)
+                    x0 = (byt & 3).to(tl.float32)
+                    x1 = ((byt >> 2) & 3).to(tl.float32)
+                    x2 = ((byt >> 4) & 3).to(tl.float32)
+                    x3 = (byt >> 6).to(tl.float32)
+                c0 = _scale_plane(x0, srow, mrow, tmask, 0, PL, G, BLOCK_T, DT)
+                c1 = _scale_plane(x1, srow, mrow, tmask, 1, PL, G, BLOCK_T, DT)
+                c2 = _scale_plane(x2, srow, mrow, tmask, 2, PL, G, BLOCK_T, DT)
+                c3 = _scale_plane(x3, srow, mrow, tmask, 3, PL, G, BLOCK_T, DT)
+                rbyt = tl.load(RC + tok[:, None] * RPL + tl.arange(0, RPL)[None, :], mask=msk, other=0)
+                rsrow = RS + tok * NGR
+                rmrow = RM + tok * NGR
+                r0 = _scale_plane((rbyt & 15).to(tl.float32), rsrow, rmrow, tmask, 0, RPL, G, BLOCK_T, DT)
+                r1 = _scale_plane((rbyt >> 4).to(tl.float32), rsrow, rmrow, tmask, 1, RPL, G, BLOCK_T, DT)
+            m_i, l_i, a0, a1, a2, a3 = _attend(
+                q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
+            )
+    _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL)
+
+
+@triton.jit
+def _window_kernel(
+    Q,
+    QR,
+    HP,
+    HPLEN,
+    OP,
+    LP,
+    H,
+    HPCAP,
+    NS,
+    scale_log2,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """The unquantised tokens of each sequence (sinks + recent window): split index ``NS``."""
+    b = tl.program_id(0)
+    hg = tl.program_id(2)
+    PL: tl.constexpr = DC // 4
+    RPL: tl.constexpr = DR // 2
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a1 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a2 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a3 = tl.zeros([BLOCK_H, PL], tl.float32)
+    hl = tl.load(HPLEN + b)
+    for t0 in range(0, hl, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        tmask = rows < hl
+        c0, c1, c2, c3, r0, r1 = _load_bf16_rows(HP + (b * HPCAP + rows).to(tl.int64) * (DC + DR), tmask, DC, PL, RPL)
+        m_i, l_i, a0, a1, a2, a3 = _attend(
+            q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
+        )
+    _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
+
+
+@triton.jit
+def _combine_kernel(OP, LP, O, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sidx = tl.arange(0, BLOCK_S)
+    smask = sidx < NSP
+    lse = tl.load(LP + (b * NSP + sidx) * H + h, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp(lse - mx_safe)
+    tot = tl.sum(w, 0)
+    d = tl.arange(0, DC)
+    o = tl.load(OP + ((b * NSP + sidx)[:, None] * H + h) * DC + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(O + (b * H + h) * DC + d, out.to(O.dtype.element_ty))
+    tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
+
+
+def default_num_splits(batch: int, head_groups: int, max_pages: int, device: torch.device) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(max_pages, math.ceil(2 * sms / (batch * head_groups))))
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    store: PagedLatentStore,
+    block_table: torch.Tensor,
+    n_paged: torch.Tensor,
+    scale: float,
+    window: torch.Tensor | None = None,
+    window_len: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_t: int | None = None,
+    block_h: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
+
+    Args:
+        q_lat: ``[B, H, d_c]`` bf16, ``q_nope @ W_UK``.  q_pe: ``[B, H, d_r]`` bf16, RoPE'd query.
+        store: the page pool; block_table ``[B, max_pages]`` int32; n_paged ``[B]`` int32 tokens in pages.
+        scale: softmax scale. window / window_len: ``[B, cap, d_c + d_r]`` bf16 unquantised tokens
+            (sinks and recent window) and their count per sequence, joined into the same softmax.
+    Returns:
+        ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
+        exponentiated scaled scores).
+    """
+    lay = store.layout
+    B, H, DC = q_lat.shape
+    DR = q_pe.shape[-1]
+    if (DC, DR) != (lay.kv_lora_rank, lay.rope_dim):
+        raise ValueError(f"query dims ({DC}, {DR}) do not match the store ({lay.kv_lora_rank}, {lay.rope_dim})")
+    if q_lat.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
+        raise ValueError(f"queries must be bfloat16, got {q_lat.dtype} and {q_pe.dtype}")
+    if q_pe.shape[:2] != (B, H):
+        raise ValueError(f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
+    if block_table.dtype != torch.int32 or n_paged.dtype != torch.int32 or block_table.shape[0] != B:
+        raise ValueError("block_table [B, max_pages] and n_paged [B] must be int32")
+    if (window is None) != (window_len is None):
+        raise ValueError("give window and window_len together")
+    if window is not None and (window.dtype != torch.bfloat16 or window.shape[0] != B or window.shape[-1] != DC + DR):
+        raise ValueError(f"window must be bfloat16 [B, cap, {DC + DR}], got {window.dtype} {tuple(window.shape)}")
+    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
+    dev = q_lat.device
+    if block_h is None:
+        block_h = min(64, max(16, triton.next_power_of_2(H)))
+    hg = triton.cdiv(H, block_h)
+    maxp = block_table.shape[1]
+    ns = num_splits or default_num_splits(B, hg, maxp, dev)
+    if block_t is None:
+        block_t = 32 if block_h >= 64 else 64
+    block_t = min(block_t, lay.page_size)
+    if num_warps is None:
+        num_warps = 8 if block_h >= 64 else 4
+    stages = {} if num_stages is None else {"num_stages": num_stages}
+    nsp = ns + (window is not None)
+    op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
+    lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
+    scale_log2 = scale * 1.4426950408889634
+    dot_dtype = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    if lay.quantized:
+        cc, cs, cm, rc, rs, rm = store.content, store.c_scale, store.c_min, store.rope, store.r_scale, store.r_min
+    else:
+        cc = store.content
+        cs = cm = rc = rs = rm = cc  # unused by the BF16 path
+    _paged_kernel[(B, ns, hg)](
+        q_lat,
+        q_pe,
+        cc,
+        cs,
+        cm,
+        rc,
+        rs,
+        rm,
+        block_table,
+        n_paged,
+        op,
+        lp,
+        H,
+        maxp,
+        ns,
+        nsp,
+        scale_log2,
+        DC=DC,
+        DR=DR,
+        G=lay.group_size,
+        PAGE=lay.page_size,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        CBITS=lay.content_bits,
+        RBITS=lay.rope_bits,
+        DT=dot_dtype,
+        num_warps=num_warps,
+        **stages,
+    )
+    if window is not None:
+        window = window.contiguous()
+        _window_kernel[(B, 1, hg)](
+            q_lat,
+            q_pe,
+            window,
+            window_len,
+            op,
+            lp,
+            H,
+            window.shape[1],
+            ns,
+            scale_log2,
+            DC=DC,
+            DR=DR,
+            BLOCK_T=min(64, block_t),
+            BLOCK_H=block_h,
+            DT=dot_dtype,
+            num_warps=num_warps,
+            **stages,
+        )
+    o = torch.empty(B, H, DC, dtype=out_dtype, device=dev)
+    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    _combine_kernel[(B, H)](op, lp, o, lse, H, nsp, DC=DC, BLOCK_S=triton.next_power_of_2(nsp), num_warps=4)
+    return o, lse

@@ -1,0 +1,147 @@
+"""The Triton MLA decode kernels against torch references (CPU: Triton's interpreter, small shapes)."""
+
+import math
+
+import pytest
+import torch
+
+from quantmla.kernels import PagedLatentStore, PagedLayout, mla_decode_reference
+
+triton = pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
+from quantmla.kernels.decode import mla_decode  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def make_case(content_bits, rope_bits, lens, window_lens, H, dc=128, page=16, seed=0, poison=True):
+    g = torch.Generator().manual_seed(seed)
+    lay = PagedLayout(content_bits, rope_bits, kv_lora_rank=dc, rope_dim=64, page_size=page)
+    B = len(lens)
+    maxp = max(1, max(math.ceil(n / page) for n in lens))
+    num_pages = B * maxp + 3
+    store = PagedLatentStore(lay, num_pages, device=DEV)
+    if poison:  # unused pages hold NaN (or NaN scales): they must never be read
+        for t in store.tensors():
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            else:
+                t.copy_(torch.randint(0, 256, t.shape, generator=g).to(t.dtype).to(DEV))
+    bt = torch.randperm(num_pages, generator=g)[: B * maxp].view(B, maxp).int().to(DEV)
+    for b, n in enumerate(lens):
+        if n:
+            idx = torch.arange(n, device=DEV)
+            c = (torch.randn(n, dc, generator=g) * 2).to(DEV)
+            r = (torch.randn(n, 64, generator=g) * 2).to(DEV)
+            store.write(bt[b, idx // page].long(), idx % page, c, r)
+    cap = max(1, max(window_lens))
+    window = torch.randn(B, cap, dc + 64, generator=g).bfloat16().to(DEV)
+    for b, w in enumerate(window_lens):
+        window[b, w:] = float("nan")
+    q = torch.randn(B, H, dc, generator=g).bfloat16().to(DEV)
+    qr = torch.randn(B, H, 64, generator=g).bfloat16().to(DEV)
+    n_paged = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    wl = torch.tensor(window_lens, dtype=torch.int32, device=DEV)
+    return q, qr, store, bt, n_paged, window, wl
+
+
+def same_precision_reference(q, qr, store, bt, n_paged, scale, window, wl):
+    """The computation in plain torch at the kernel's GPU precision (bf16 operands and probabilities,
+    fp32 accumulation and output). Under the CPU interpreter the kernel computes in fp32, more exactly."""
+    from quantmla.kernels.reference import gather_tokens
+
+    B, H, DC = q.shape
+    o = torch.zeros(B, H, DC)
+    lse = torch.full((B, H), float("-inf"))
+    for b in range(B):
+        c, r = gather_tokens(store, bt, int(n_paged[b]), b)
+        w = window[b, : int(wl[b])].float()
+        c = torch.cat([c, w[:, :DC]]).bfloat16().float().cpu()
+        r = torch.cat([r, w[:, DC:]]).bfloat16().float().cpu()
+        if c.shape[0] == 0:
+            continue
+        s = (q[b].float().cpu() @ c.T + qr[b].float().cpu() @ r.T) * scale
+        p = torch.softmax(s, -1)
+        o[b] = p.bfloat16().float() @ c
+        lse[b] = torch.logsumexp(s, -1)
+    return o, lse
+
+
+def check(o, lse, ref_o, ref_lse, same_prec):
+    """abs, rel and cosine checks against the fp32 reference, each no worse than twice torch's own
+    error at the kernel's precision (bf16 operands)."""
+    same_prec, same_lse = same_prec
+    o, lse, ref_o, ref_lse = o.float().cpu(), lse.cpu(), ref_o.cpu(), ref_lse.cpu()
+    assert torch.isfinite(o).all() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        lse_err = (lse[fin] - ref_lse[fin]).abs().max()
+        assert lse_err <= 2 * (same_lse[fin] - ref_lse[fin]).abs().max() + 1e-3, float(lse_err)
+    err = (o - ref_o).norm() / ref_o.norm().clamp_min(1e-12)
+    base = (same_prec - ref_o).norm() / ref_o.norm().clamp_min(1e-12)
+    assert err <= 2 * base + 1e-3, (float(err), float(base))  # at most twice torch's own error
+    assert (o - ref_o).abs().max() <= 2 * (same_prec - ref_o).abs().max() + 1e-3
+    cos = torch.nn.functional.cosine_similarity(o.flatten(), ref_o.flatten(), dim=0)
+    assert cos > 0.9999 or ref_o.norm() == 0
+
+
+SCHEMES = [(16, 16), (4, 4), (2, 4)]
+
+
+@pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])
+@pytest.mark.parametrize(
+    "lens,window_lens",
+    [([1], [0]), ([5], [3]), ([131], [7]), ([217, 40], [0, 9]), ([1000], [12]), ([0, 0], [5, 2]), ([0, 33], [0, 4])],
+)
+def test_against_reference(bits, lens, window_lens):
+    if sum(lens) + sum(window_lens) == 0:
+        pytest.skip("nothing to attend")
+    H, scale = 16, 0.15
+    case = make_case(*bits, lens, window_lens, H)
+    q, qr, store, bt, n_paged, window, wl = case
+    o, lse = mla_decode(q, qr, store, bt, n_paged, scale, window, wl, num_splits=3, out_dtype=torch.float32)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, scale, window, wl)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], scale, window, wl))
+
+
+@pytest.mark.parametrize("H", [1, 16, 20, 128])
+@pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])
+def test_head_counts_and_mixed_lengths(H, bits):
+    lens, window_lens = [77, 3, 150], [5, 0, 11]
+    case = make_case(*bits, lens, window_lens, H, seed=H)
+    q, qr, store, bt, n_paged, window, wl = case
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.1, window, wl, out_dtype=torch.float32)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.1, window, wl)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.1, window, wl))
+
+
+def test_deepseek_geometry_512():
+    case = make_case(4, 4, [70, 20], [4, 6], 16, dc=512, page=64)
+    q, qr, store, bt, n_paged, window, wl = case
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, num_splits=2, out_dtype=torch.float32)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.07, window, wl))
+
+
+def test_no_window_and_split_counts_agree():
+    q, qr, store, bt, n_paged, _, _ = make_case(2, 4, [300, 64], [0, 0], 16)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.1)
+    empty = torch.zeros(2, 1, q.shape[-1] + 64, dtype=torch.bfloat16, device=q.device)
+    zero = torch.zeros(2, dtype=torch.int32, device=q.device)
+    same = same_precision_reference(q, qr, store, bt, n_paged, 0.1, empty, zero)
+    for splits in (1, 2, 7):
+        o, lse = mla_decode(q, qr, store, bt, n_paged, 0.1, num_splits=splits, out_dtype=torch.float32)
+        check(o, lse, ref_o, ref_lse, same)
+
+
+def test_launcher_rejects_bad_inputs():
+    q, qr, store, bt, n_paged, window, wl = make_case(4, 4, [10], [2], 4)
+    with pytest.raises(ValueError, match="bfloat16"):
+        mla_decode(q.float(), qr, store, bt, n_paged, 0.1)
+    with pytest.raises(ValueError, match="do not match the store"):
+        mla_decode(q[..., :64], qr, store, bt, n_paged, 0.1)
+    with pytest.raises(ValueError, match="together"):
+        mla_decode(q, qr, store, bt, n_paged, 0.1, window=window)
+    with pytest.raises(ValueError, match="int32"):
+        mla_decode(q, qr, store, bt.long(), n_paged, 0.1)
