@@ -1,0 +1,219 @@
+"""MLA decode attention on the GPU: our BF16 and low-bit Triton kernels against the copy roofline,
+a torch reference and FlashMLA's published H200 figures (issue table).
+
+    PYTHONPATH=src python benchmarks/decode_attention.py --out BENCHMARKS.md
+    PYTHONPATH=src python benchmarks/decode_attention.py --sweep      # tune launch parameters
+
+One table: per (heads, batch, context, scheme) the median time (do_bench, L2 flushed), GB/s on the
+bytes the kernel must read, % of the measured copy bandwidth, TFLOP/s (2*B*h*L*(576+512)), and the
+speedup over our BF16 kernel, over the torch reference and over FlashMLA BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+from quantmla.kernels.layout import PagedLatentStore, PagedLayout
+
+# FlashMLA SM90 BF16 dense decode on this H200, microseconds (from the issue; do_bench median, L2 flushed)
+FLASHMLA_US = {
+    (16, 8): {4096: 27.7, 16384: 57.0, 65536: 172.2, 131072: 320.6},
+    (16, 32): {4096: 55.7, 16384: 170.4, 65536: 603.8, 131072: 1186.0},
+    (16, 128): {4096: 167.6, 16384: 609.1, 65536: 2329.0, 131072: 4554.0},
+    (128, 8): {4096: 37.1, 16384: 74.8, 65536: 249.8, 131072: 491.0},
+    (128, 32): {4096: 75.8, 16384: 252.9, 65536: 972.5, 131072: 1936.0},
+    (128, 128): {4096: 255.6, 16384: 1006.0, 65536: 4048.0, 131072: 8628.0},
+}
+SCHEMES = {"bf16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)}
+DC, DR, PAGE = 512, 64, 64
+
+
+def copy_bandwidth_gbs() -> float:
+    n = 4 * 1024**3 // 4
+    a = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    import triton.testing
+
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=400, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def random_store(scheme: str, batch: int, ctx: int, gen: torch.Generator):
+    """A full paged store with random contents (timing only; no zeros), and a permuted block table."""
+    cb, rb = SCHEMES[scheme]
+    lay = PagedLayout(cb, rb, DC, DR, 64, PAGE)
+    pages = batch * math.ceil(ctx / PAGE)
+    store = PagedLatentStore(lay, pages, device="cuda")
+    for t in store.tensors():
+        if t.dtype == torch.uint8:
+            t.random_(0, 256, generator=gen)
+        elif t.dtype == torch.float16:
+            t.uniform_(0.01, 0.1, generator=gen)
+        else:
+            t.normal_(generator=gen)
+    bt = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
+    n_paged = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return store, bt, n_paged
+
+
+def torch_reference(q_lat, q_pe, store, bt, n_paged, scale):
+    """Batched torch path: gather pages, dequantise to bf16, attend with matmuls (all lengths equal)."""
+    lay = store.layout
+    B = q_lat.shape[0]
+    pages = bt.long()
+    if lay.quantized:
+        from quantmla.kernels.layout import unpack_planar
+
+        codes = unpack_planar(store.content[pages], lay.content_bits).to(torch.bfloat16)  # [B, P, T, DC]
+        sc = store.c_scale[pages].repeat_interleave(64, -1).to(torch.bfloat16)
+        mn = store.c_min[pages].repeat_interleave(64, -1).to(torch.bfloat16)
+        c = (codes * sc + mn).flatten(1, 2)
+        rc = unpack_planar(store.rope[pages], lay.rope_bits).to(torch.bfloat16)
+        r = (rc * store.r_scale[pages].to(torch.bfloat16) + store.r_min[pages].to(torch.bfloat16)).flatten(1, 2)
+    else:
+        kv = store.content[pages].flatten(1, 2)
+        c, r = kv[..., :DC], kv[..., DC:]
+    s = (torch.einsum("bhc,blc->bhl", q_lat, c) + torch.einsum("bhr,blr->bhl", q_pe, r)).float() * scale
+    p = torch.softmax(s, -1).to(torch.bfloat16)
+    return torch.einsum("bhl,blc->bhc", p, c), torch.logsumexp(s, -1).view(B, -1)
+
+
+def bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median") * 1e3  # microseconds
+
+
+def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
+    from quantmla.kernels.decode import mla_decode
+
+    store, bt, n_paged = random_store(scheme, B, L, gen)
+    q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
+    qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
+    scale = 1 / math.sqrt(192)
+    us = bench(lambda: mla_decode(q, qr, store, bt, n_paged, scale, **kernel_kw))
+    t_us = None
+    if with_torch:
+        try:
+            o_ref, _ = torch_reference(q, qr, store, bt, n_paged, scale)
+            o, _ = mla_decode(q, qr, store, bt, n_paged, scale, **kernel_kw)
+            rel = float((o.float() - o_ref.float()).norm() / o_ref.float().norm())
+            if rel > 2e-2:
+                raise RuntimeError(f"kernel disagrees with the torch reference: rel err {rel:.3g}")
+            t_us = bench(lambda: torch_reference(q, qr, store, bt, n_paged, scale))
+        except torch.OutOfMemoryError:
+            t_us = None
+    nbytes = B * L * store.layout.bytes_per_token()
+    del store, bt
+    torch.cuda.empty_cache()
+    return us, t_us, nbytes
+
+
+def sweep(gen) -> None:
+    from quantmla.kernels.decode import mla_decode
+
+    rows = [(16, 32, 65536, s) for s in SCHEMES] + [(128, 32, 65536, s) for s in SCHEMES]
+    grid = [dict(block_t=bt, num_warps=w, num_stages=st) for bt in (32, 64) for w in (4, 8) for st in (2, 3)]
+    for h, B, L, scheme in rows:
+        store, bt, n_paged = random_store(scheme, B, L, gen)
+        q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
+        qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
+        nbytes = B * L * store.layout.bytes_per_token()
+        res = []
+        for kw in grid:
+            for split_mul in (1, 2, 4):
+                kw2 = dict(kw, num_splits=math.ceil(split_mul * 132 / (B * math.ceil(h / 64))))
+                try:
+                    us = bench(lambda kw2=kw2: mla_decode(q, qr, store, bt, n_paged, 0.07, **kw2))
+                    res.append((us, kw2))
+                except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
+                    print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+        res.sort(key=lambda x: x[0])
+        for us, kw2 in res[:3]:
+            print(f"sweep h={h} B={B} L={L} {scheme}: {us:.1f} us ({nbytes / us / 1e3:.0f} GB/s) {kw2}", flush=True)
+        del store
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--json", default=None, help="write all rows as JSON here")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="4096,16384,65536,131072")
+    ap.add_argument("--torch-max-tokens", type=int, default=32 * 65536, help="skip the torch reference above B*L")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.sweep:
+        sweep(gen)
+        return
+    bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {bw:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    rows = []
+    t0 = time.time()
+    for h in map(int, args.heads.split(",")):
+        for B in map(int, args.batches.split(",")):
+            for L in map(int, args.contexts.split(",")):
+                base = None
+                for scheme in SCHEMES:
+                    us, t_us, nbytes = run_row(h, B, L, scheme, gen, {}, B * L <= args.torch_max_tokens)
+                    base = us if scheme == "bf16" else base
+                    fm = FLASHMLA_US.get((h, B), {}).get(L)
+                    row = dict(
+                        h=h,
+                        B=B,
+                        L=L,
+                        scheme=scheme,
+                        us=us,
+                        gbs=nbytes / us / 1e3,
+                        pct_copy=100 * nbytes / us / 1e3 / bw,
+                        tflops=2 * B * h * L * (DC + DC + DR) / us / 1e6,
+                        vs_bf16=base / us,
+                        vs_torch=(t_us / us) if t_us else None,
+                        torch_us=t_us,
+                        flashmla_us=fm,
+                        vs_flashmla=(fm / us) if fm else None,
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print(f"{len(rows)} rows in {time.time() - t0:.0f} s", file=sys.stderr)
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}; measured copy bandwidth {bw:.0f} GB/s (4 GiB device-to-device, "
+        "read + write); torch " + torch.__version__ + "; times are do_bench medians with L2 flushed.",
+        "",
+        "| h | B | L | scheme | µs | GB/s | % copy BW | TFLOP/s | vs our BF16 | vs torch ref | FlashMLA BF16 µs |"
+        " vs FlashMLA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+
+        def f(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        lines.append(
+            f"| {r['h']} | {r['B']} | {r['L'] // 1024}K | {r['scheme']} | {r['us']:.1f} | {r['gbs']:.0f} | "
+            f"{r['pct_copy']:.0f}% | {r['tflops']:.1f} | {r['vs_bf16']:.2f}x | {f(r['vs_torch'], '.1f')}x | "
+            f"{f(r['flashmla_us'], '.1f')} | {f(r['vs_flashmla'], '.2f')}x |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_gbs": bw, "rows": rows, "timing": "do_bench median, L2 flushed"}, fh)
+
+
+if __name__ == "__main__":
+    main()
