@@ -41,8 +41,6 @@ def copy_bandwidth_gbs() -> float:
     import triton.testing
 
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=400, return_mode="median")
-    del a, b
-    torch.cuda.empty_cache()
     return 2 * n * 4 / (ms * 1e-3) / 1e9
 
 
@@ -112,8 +110,6 @@ def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
         except torch.OutOfMemoryError:
             t_us = None
     nbytes = B * L * store.layout.bytes_per_token()
-    del store, bt
-    torch.cuda.empty_cache()
     return us, t_us, nbytes
 
 
@@ -132,14 +128,14 @@ def sweep(gen) -> None:
             for split_mul in (1, 2, 4):
                 kw2 = dict(kw, num_splits=math.ceil(split_mul * 132 / (B * math.ceil(h / 64))))
                 try:
-                    us = bench(lambda kw2=kw2: mla_decode(q, qr, store, bt, n_paged, 0.07, **kw2))
+                    args = (q, qr, store, bt, n_paged, 0.07)
+                    us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
                     res.append((us, kw2))
                 except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
                     print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
         res.sort(key=lambda x: x[0])
         for us, kw2 in res[:3]:
             print(f"sweep h={h} B={B} L={L} {scheme}: {us:.1f} us ({nbytes / us / 1e3:.0f} GB/s) {kw2}", flush=True)
-        del store
         torch.cuda.empty_cache()
 
 

@@ -254,7 +254,7 @@ def _window_kernel(
 
 
 @triton.jit
-def _combine_kernel(OP, LP, O, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sidx = tl.arange(0, BLOCK_S)
@@ -267,7 +267,7 @@ def _combine_kernel(OP, LP, O, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.conste
     d = tl.arange(0, DC)
     o = tl.load(OP + ((b * NSP + sidx)[:, None] * H + h) * DC + d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(tot > 0, tot, 1.0)
-    tl.store(O + (b * H + h) * DC + d, out.to(O.dtype.element_ty))
+    tl.store(OUT + (b * H + h) * DC + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
 
 

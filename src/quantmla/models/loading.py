@@ -47,7 +47,8 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         raise ValueError(
             f"model {s!r} is neither a builtin ({', '.join('builtin:' + b for b in _BUILTINS)}), a local directory, "
             f"nor in the local Hugging Face cache, and quantmla never downloads. Fetch it on a machine with network "
-            f"(e.g. `huggingface-cli download {s} --local-dir DIR`), copy DIR here and pass its path. ({type(e).__name__})"
+            f"(e.g. `huggingface-cli download {s} --local-dir DIR`), copy DIR here and pass its path. "
+            f"({type(e).__name__})"
         ) from None
 
 
