@@ -113,46 +113,74 @@ def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
     return us, t_us, nbytes
 
 
-def sweep(gen) -> None:
+def splits_for(mul: float, B: int, h: int) -> int:
+    return max(1, math.ceil(mul * 132 / (B * math.ceil(h / 64))))
+
+
+def sweep(gen, out_json: str | None) -> dict:
+    """Time launch variants at B=32, 64K for each (heads, scheme); returns the best per (heads, scheme)."""
     from quantmla.kernels.decode import mla_decode
 
-    rows = [(16, 32, 65536, s) for s in SCHEMES] + [(128, 32, 65536, s) for s in SCHEMES]
-    grid = [dict(block_t=bt, num_warps=w, num_stages=st) for bt in (32, 64) for w in (4, 8) for st in (2, 3)]
-    for h, B, L, scheme in rows:
-        store, bt, n_paged = random_store(scheme, B, L, gen)
-        q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
-        qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
-        nbytes = B * L * store.layout.bytes_per_token()
-        res = []
-        for kw in grid:
-            for split_mul in (1, 2, 4):
-                kw2 = dict(kw, num_splits=math.ceil(split_mul * 132 / (B * math.ceil(h / 64))))
-                try:
-                    args = (q, qr, store, bt, n_paged, 0.07)
-                    us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
-                    res.append((us, kw2))
-                except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
-                    print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
-        res.sort(key=lambda x: x[0])
-        for us, kw2 in res[:3]:
-            print(f"sweep h={h} B={B} L={L} {scheme}: {us:.1f} us ({nbytes / us / 1e3:.0f} GB/s) {kw2}", flush=True)
-        torch.cuda.empty_cache()
+    B, L = 32, 65536
+    best = {}
+    for h in (16, 128):
+        for scheme in SCHEMES:
+            quant = scheme != "bf16"
+            variants = [(True, False), (False, False), (True, True), (False, True)] if quant else [(True, False)]
+            warps = (4, 8) if h <= 64 else (8,)
+            grid = [
+                dict(select_scales=v[0], two_pass=v[1], block_t=bt, num_warps=w, num_stages=2)
+                for v in variants
+                for bt in (32, 64)
+                for w in warps
+            ]
+            store, bt_, n_paged = random_store(scheme, B, L, gen)
+            q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
+            qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
+            nbytes = B * L * store.layout.bytes_per_token()
+            res = []
+            for kw in grid:
+                for mul in (1, 2, 4):
+                    kw2 = dict(kw, num_splits=splits_for(mul, B, h))
+                    try:
+                        args = (q, qr, store, bt_, n_paged, 0.07)
+                        us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
+                        k = mla_decode.last_kernel
+                        res.append(
+                            (us, dict(kw, split_mul=mul), getattr(k, "n_regs", None), getattr(k, "n_spills", None))
+                        )
+                    except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
+                        print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+            res.sort(key=lambda x: x[0])
+            for us, kw, regs, spills in res[:4]:
+                print(
+                    f"sweep h={h} {scheme}: {us:.1f} us ({nbytes / us / 1e3:.0f} GB/s) regs={regs} spills={spills} {kw}",
+                    flush=True,
+                )
+            worst = res[-1]
+            print(f"  worst h={h} {scheme}: {worst[0]:.1f} us regs={worst[2]} spills={worst[3]} {worst[1]}", flush=True)
+            best[f"{h}/{scheme}"] = res[0][1]
+            del store
+            torch.cuda.empty_cache()
+    if out_json:
+        with open(out_json, "w") as fh:
+            json.dump(best, fh, indent=1)
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="tune launch variants first, then use the best ones")
+    ap.add_argument("--sweep-json", default=None, help="write the tuned launch parameters here")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--torch-max-tokens", type=int, default=32 * 65536, help="skip the torch reference above B*L")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    if args.sweep:
-        sweep(gen)
-        return
+    tuned = sweep(gen, args.sweep_json) if args.sweep else {}
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {bw:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     rows = []
@@ -162,7 +190,10 @@ def main() -> None:
             for L in map(int, args.contexts.split(",")):
                 base = None
                 for scheme in SCHEMES:
-                    us, t_us, nbytes = run_row(h, B, L, scheme, gen, {}, B * L <= args.torch_max_tokens)
+                    kw = dict(tuned.get(f"{h}/{scheme}", {}))
+                    if "split_mul" in kw:
+                        kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h)
+                    us, t_us, nbytes = run_row(h, B, L, scheme, gen, kw, B * L <= args.torch_max_tokens)
                     base = us if scheme == "bf16" else base
                     fm = FLASHMLA_US.get((h, B), {}).get(L)
                     row = dict(

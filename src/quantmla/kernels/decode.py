@@ -30,10 +30,26 @@ from quantmla.kernels.layout import PagedLatentStore
 
 @triton.jit
 def _scale_plane(
-    x, srow, mrow, tmask, k: tl.constexpr, PL: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr
+    x,
+    srow,
+    mrow,
+    tmask,
+    k: tl.constexpr,
+    PL: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    DT: tl.constexpr,
+    SEL: tl.constexpr = True,
 ):
     """Dequantise one plane ``x [BLOCK_T, PL]`` (codes as float32) of channels ``k*PL ...``."""
-    if PL >= G:
+    if PL == 2 * G and SEL:  # two groups in the plane: select the scale per column, no reshape
+        s0 = tl.load(srow + 2 * k, mask=tmask, other=0.0).to(tl.float32)
+        s1 = tl.load(srow + 2 * k + 1, mask=tmask, other=0.0).to(tl.float32)
+        m0 = tl.load(mrow + 2 * k, mask=tmask, other=0.0).to(tl.float32)
+        m1 = tl.load(mrow + 2 * k + 1, mask=tmask, other=0.0).to(tl.float32)
+        first = (tl.arange(0, PL) < G)[None, :]
+        y = x * tl.where(first, s0[:, None], s1[:, None]) + tl.where(first, m0[:, None], m1[:, None])
+    elif PL >= G:
         GP: tl.constexpr = PL // G
         gidx = k * GP + tl.arange(0, GP)
         s = tl.load(srow[:, None] + gidx[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
@@ -46,6 +62,46 @@ def _scale_plane(
         m = tl.load(mrow + gi, mask=tmask, other=0.0).to(tl.float32)
         y = x * s[:, None] + m[:, None]
     return y.to(DT)
+
+
+@triton.jit
+def _content_plane(
+    CC,
+    CS,
+    CM,
+    tok,
+    tmask,
+    k: tl.constexpr,
+    DC: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CBITS: tl.constexpr,
+    DT: tl.constexpr,
+    SEL: tl.constexpr,
+):
+    """Plane ``k`` (channels ``k*DC/4 ...``) of a quantised content tile, dequantised."""
+    PL: tl.constexpr = DC // 4
+    NG: tl.constexpr = DC // G
+    cp = tl.arange(0, PL)[None, :]
+    msk = tmask[:, None]
+    if CBITS == 4:  # byte j: channel j (low nibble), channel j + DC/2 (high nibble)
+        byt = tl.load(CC + tok[:, None] * (DC // 2) + (k % 2) * PL + cp, mask=msk, other=0)
+        x = (byt >> (4 * (k // 2))) & 15
+    else:  # 2 bits: byte j holds channels j, j + DC/4, j + DC/2, j + 3DC/4
+        byt = tl.load(CC + tok[:, None] * (DC // 4) + cp, mask=msk, other=0)
+        x = (byt >> (2 * k)) & 3
+    return _scale_plane(x.to(tl.float32), CS + tok * NG, CM + tok * NG, tmask, k, PL, G, BLOCK_T, DT, SEL)
+
+
+@triton.jit
+def _rope_plane(
+    RC, RS, RM, tok, tmask, k: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr
+):
+    RPL: tl.constexpr = DR // 2
+    NGR: tl.constexpr = DR // G
+    rbyt = tl.load(RC + tok[:, None] * RPL + tl.arange(0, RPL)[None, :], mask=tmask[:, None], other=0)
+    x = ((rbyt >> (4 * k)) & 15).to(tl.float32)
+    return _scale_plane(x, RS + tok * NGR, RM + tok * NGR, tmask, k, RPL, G, BLOCK_T, DT, False)
 
 
 @triton.jit
@@ -145,6 +201,8 @@ def _paged_kernel(
     CBITS: tl.constexpr,
     RBITS: tl.constexpr,
     DT: tl.constexpr,
+    SEL: tl.constexpr = True,
+    TWO_PASS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -166,8 +224,6 @@ def _paged_kernel(
     per = tl.cdiv(npages, NS)
     p0 = split * per
     p1 = tl.minimum(p0 + per, npages)
-    NG: tl.constexpr = DC // G
-    NGR: tl.constexpr = DR // G
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -176,37 +232,51 @@ def _paged_kernel(
             tok = page * PAGE + rows  # physical token index
             if CBITS == 16:
                 c0, c1, c2, c3, r0, r1 = _load_bf16_rows(CC + tok * (DC + DR), tmask, DC, PL, RPL)
+            elif TWO_PASS:  # dequantise one plane at a time for the scores, again for P @ V
+                qk = tl.dot(
+                    q0.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL))
+                )
+                qk += tl.dot(
+                    q1.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL))
+                )
+                qk += tl.dot(
+                    q2.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL))
+                )
+                qk += tl.dot(
+                    q3.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL))
+                )
+                qk += tl.dot(qr0.to(DT), tl.trans(_rope_plane(RC, RS, RM, tok, tmask, 0, DR, G, BLOCK_T, DT)))
+                qk += tl.dot(qr1.to(DT), tl.trans(_rope_plane(RC, RS, RM, tok, tmask, 1, DR, G, BLOCK_T, DT)))
+                qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                alpha = tl.exp2(m_i - m_new)
+                pr = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                pb = pr.to(DT)
+                a0 = a0 * alpha[:, None] + tl.dot(
+                    pb, _content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL)
+                )
+                a1 = a1 * alpha[:, None] + tl.dot(
+                    pb, _content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL)
+                )
+                a2 = a2 * alpha[:, None] + tl.dot(
+                    pb, _content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL)
+                )
+                a3 = a3 * alpha[:, None] + tl.dot(
+                    pb, _content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL)
+                )
+                m_i = m_new
             else:
-                msk = tmask[:, None]
-                cp = tl.arange(0, PL)[None, :]
-                srow = CS + tok * NG
-                mrow = CM + tok * NG
-                if CBITS == 4:  # byte j: channel j (low nibble), channel j + DC/2 (high nibble)
-                    cb = CC + tok[:, None] * (DC // 2) + cp
-                    lo = tl.load(cb, mask=msk, other=0)
-                    hi = tl.load(cb + PL, mask=msk, other=0)
-                    x0 = (lo & 15).to(tl.float32)
-                    x1 = (hi & 15).to(tl.float32)
-                    x2 = (lo >> 4).to(tl.float32)
-                    x3 = (hi >> 4).to(tl.float32)
-                else:  # 2 bits: byte j holds channels j, j + DC/4, j + DC/2, j + 3DC/4
-                    byt = tl.load(CC + tok[:, None] * (DC // 4) + cp, mask=msk, other=0)
-                    x0 = (byt & 3).to(tl.float32)
-                    x1 = ((byt >> 2) & 3).to(tl.float32)
-                    x2 = ((byt >> 4) & 3).to(tl.float32)
-                    x3 = (byt >> 6).to(tl.float32)
-                c0 = _scale_plane(x0, srow, mrow, tmask, 0, PL, G, BLOCK_T, DT)
-                c1 = _scale_plane(x1, srow, mrow, tmask, 1, PL, G, BLOCK_T, DT)
-                c2 = _scale_plane(x2, srow, mrow, tmask, 2, PL, G, BLOCK_T, DT)
-                c3 = _scale_plane(x3, srow, mrow, tmask, 3, PL, G, BLOCK_T, DT)
-                rbyt = tl.load(RC + tok[:, None] * RPL + tl.arange(0, RPL)[None, :], mask=msk, other=0)
-                rsrow = RS + tok * NGR
-                rmrow = RM + tok * NGR
-                r0 = _scale_plane((rbyt & 15).to(tl.float32), rsrow, rmrow, tmask, 0, RPL, G, BLOCK_T, DT)
-                r1 = _scale_plane((rbyt >> 4).to(tl.float32), rsrow, rmrow, tmask, 1, RPL, G, BLOCK_T, DT)
-            m_i, l_i, a0, a1, a2, a3 = _attend(
-                q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
-            )
+                c0 = _content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL)
+                c1 = _content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL)
+                c2 = _content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL)
+                c3 = _content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL)
+                r0 = _rope_plane(RC, RS, RM, tok, tmask, 0, DR, G, BLOCK_T, DT)
+                r1 = _rope_plane(RC, RS, RM, tok, tmask, 1, DR, G, BLOCK_T, DT)
+            if CBITS == 16 or not TWO_PASS:
+                m_i, l_i, a0, a1, a2, a3 = _attend(
+                    q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
+                )
     _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL)
 
 
@@ -291,6 +361,8 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    select_scales: bool = True,
+    two_pass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -341,7 +413,7 @@ def mla_decode(
     else:
         cc = store.content
         cs = cm = rc = rs = rm = cc  # unused by the BF16 path
-    _paged_kernel[(B, ns, hg)](
+    kernel = _paged_kernel[(B, ns, hg)](
         q_lat,
         q_pe,
         cc,
@@ -368,9 +440,12 @@ def mla_decode(
         CBITS=lay.content_bits,
         RBITS=lay.rope_bits,
         DT=dot_dtype,
+        SEL=select_scales,
+        TWO_PASS=two_pass,
         num_warps=num_warps,
         **stages,
     )
+    mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
     if window is not None:
         window = window.contiguous()
         _window_kernel[(B, 1, hg)](
