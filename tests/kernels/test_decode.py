@@ -130,7 +130,7 @@ def test_no_window_and_split_counts_agree():
     empty = torch.zeros(2, 1, q.shape[-1] + 64, dtype=torch.bfloat16, device=q.device)
     zero = torch.zeros(2, dtype=torch.int32, device=q.device)
     same = same_precision_reference(q, qr, store, bt, n_paged, 0.1, empty, zero)
-    for splits in (1, 2, 7):
+    for splits in (1, 2, 7, 19):  # 19 > the combine chunk of 8
         o, lse = mla_decode(q, qr, store, bt, n_paged, 0.1, num_splits=splits, out_dtype=torch.float32)
         check(o, lse, ref_o, ref_lse, same)
 
@@ -145,3 +145,19 @@ def test_launcher_rejects_bad_inputs():
         mla_decode(q, qr, store, bt, n_paged, 0.1, window=window)
     with pytest.raises(ValueError, match="int32"):
         mla_decode(q, qr, store, bt.long(), n_paged, 0.1)
+
+
+@pytest.mark.parametrize("bits", [(4, 4), (2, 4)], ids=["c4r4", "c2r4"])
+@pytest.mark.parametrize("H", [1, 16, 20])
+def test_folded_scale_kernel(bits, H):
+    case = make_case(*bits, [70, 131, 5], [4, 0, 9], H, dc=512, page=64, seed=7)
+    q, qr, store, bt, n_paged, window, wl = case
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, num_splits=2, out_dtype=torch.float32, fold=True)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.07, window, wl))
+
+
+def test_folded_scale_kernel_rejects_other_geometry():
+    q, qr, store, bt, n_paged, _, _ = make_case(4, 4, [10], [0], 4, dc=128)
+    with pytest.raises(ValueError, match="d_c=512"):
+        mla_decode(q, qr, store, bt, n_paged, 0.1, fold=True)

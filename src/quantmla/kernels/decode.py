@@ -324,26 +324,46 @@ def _window_kernel(
 
 
 @triton.jit
-def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
+    """Merge the split partials of one (sequence, head) by log-sum-exp, ``CHUNK`` splits at a time."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sidx = tl.arange(0, BLOCK_S)
-    smask = sidx < NSP
-    lse = tl.load(LP + (b * NSP + sidx) * H + h, mask=smask, other=float("-inf"))
+    lse = tl.load(LP + (b * NSP + sidx) * H + h, mask=sidx < NSP, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp(lse - mx_safe)
-    tot = tl.sum(w, 0)
+    tot = tl.sum(tl.exp(lse - mx_safe), 0)
     d = tl.arange(0, DC)
-    o = tl.load(OP + ((b * NSP + sidx)[:, None] * H + h) * DC + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(tot > 0, tot, 1.0)
+    acc = tl.zeros([DC], tl.float32)
+    for s0 in range(0, NSP, CHUNK):
+        cidx = s0 + tl.arange(0, CHUNK)
+        cm = cidx < NSP
+        w = tl.exp(tl.load(LP + (b * NSP + cidx) * H + h, mask=cm, other=float("-inf")) - mx_safe)
+        o = tl.load(OP + ((b * NSP + cidx)[:, None] * H + h) * DC + d[None, :], mask=cm[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(OUT + (b * H + h) * DC + d, out.to(OUT.dtype.element_ty))
     tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
 
 
+MAX_SPLITS = 256
+
+
 def default_num_splits(batch: int, head_groups: int, max_pages: int, device: torch.device) -> int:
+    """About four programs per SM (tuned on H200), at most one page per split and MAX_SPLITS splits."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(max_pages, math.ceil(2 * sms / (batch * head_groups))))
+    return max(1, min(max_pages, MAX_SPLITS, math.ceil(4 * sms / (batch * head_groups))))
+
+
+def default_launch(block_h: int, content_bits: int) -> dict:
+    """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep)."""
+    quant = content_bits != 16
+    return dict(
+        block_t=64,
+        num_warps=8 if (quant or block_h > 16) else 4,
+        num_stages=2,
+        select_scales=block_h <= 32,
+    )
 
 
 def mla_decode(
@@ -361,8 +381,9 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    select_scales: bool = True,
+    select_scales: bool | None = None,
     two_pass: bool = False,
+    fold: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -397,12 +418,13 @@ def mla_decode(
     hg = triton.cdiv(H, block_h)
     maxp = block_table.shape[1]
     ns = num_splits or default_num_splits(B, hg, maxp, dev)
-    if block_t is None:
-        block_t = 32 if block_h >= 64 else 64
-    block_t = min(block_t, lay.page_size)
-    if num_warps is None:
-        num_warps = 8 if block_h >= 64 else 4
-    stages = {} if num_stages is None else {"num_stages": num_stages}
+    tuned = default_launch(block_h, lay.content_bits)
+    block_t = min(block_t or tuned["block_t"], lay.page_size)
+    num_warps = num_warps or tuned["num_warps"]
+    select_scales = tuned["select_scales"] if select_scales is None else select_scales
+    stages = {"num_stages": num_stages or tuned["num_stages"]}
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        stages = {}
     nsp = ns + (window is not None)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
@@ -413,38 +435,50 @@ def mla_decode(
     else:
         cc = store.content
         cs = cm = rc = rs = rm = cc  # unused by the BF16 path
-    kernel = _paged_kernel[(B, ns, hg)](
-        q_lat,
-        q_pe,
-        cc,
-        cs,
-        cm,
-        rc,
-        rs,
-        rm,
-        block_table,
-        n_paged,
-        op,
-        lp,
-        H,
-        maxp,
-        ns,
-        nsp,
-        scale_log2,
-        DC=DC,
-        DR=DR,
-        G=lay.group_size,
-        PAGE=lay.page_size,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        CBITS=lay.content_bits,
-        RBITS=lay.rope_bits,
-        DT=dot_dtype,
-        SEL=select_scales,
-        TWO_PASS=two_pass,
-        num_warps=num_warps,
-        **stages,
-    )
+    if fold:
+        from quantmla.kernels.decode_fold import fold_supported, launch_fold
+
+        if not fold_supported(DC, DR, lay.group_size, lay.content_bits, lay.rope_bits):
+            raise ValueError("the folded-scale kernel needs d_c=512, d_r=64, group 64, INT4/INT2 content, INT4 RoPE")
+        kernel = launch_fold(
+            (B, ns, hg), q_lat, q_pe, store.content, store.c_scale, store.c_min, store.rope, store.r_scale,
+            store.r_min, block_table, n_paged, op, lp, H, maxp, ns, nsp, scale_log2,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, CBITS=lay.content_bits,
+            DT=dot_dtype, num_warps=num_warps, **stages,
+        )  # fmt: skip
+    else:
+        kernel = _paged_kernel[(B, ns, hg)](
+            q_lat,
+            q_pe,
+            cc,
+            cs,
+            cm,
+            rc,
+            rs,
+            rm,
+            block_table,
+            n_paged,
+            op,
+            lp,
+            H,
+            maxp,
+            ns,
+            nsp,
+            scale_log2,
+            DC=DC,
+            DR=DR,
+            G=lay.group_size,
+            PAGE=lay.page_size,
+            BLOCK_T=block_t,
+            BLOCK_H=block_h,
+            CBITS=lay.content_bits,
+            RBITS=lay.rope_bits,
+            DT=dot_dtype,
+            SEL=select_scales,
+            TWO_PASS=two_pass,
+            num_warps=num_warps,
+            **stages,
+        )
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
     if window is not None:
         window = window.contiguous()
@@ -469,5 +503,5 @@ def mla_decode(
         )
     o = torch.empty(B, H, DC, dtype=out_dtype, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    _combine_kernel[(B, H)](op, lp, o, lse, H, nsp, DC=DC, BLOCK_S=triton.next_power_of_2(nsp), num_warps=4)
+    _combine_kernel[(B, H)](op, lp, o, lse, H, nsp, DC=DC, BLOCK_S=triton.next_power_of_2(nsp), CHUNK=8, num_warps=4)
     return o, lse
