@@ -126,21 +126,17 @@ def sweep(gen, out_json: str | None) -> dict:
     for h in (16, 128):
         for scheme in SCHEMES:
             quant = scheme != "bf16"
-            variants = [(True, False), (False, False), (True, True)] if quant else [(True, False)]
+            variants = [dict(select_scales=True), dict(select_scales=True, two_pass=True), dict(fold=True)]
+            variants = variants if quant else [dict()]
             warps = (4, 8) if h <= 64 else (8,)
-            grid = [
-                dict(select_scales=v[0], two_pass=v[1], block_t=bt, num_warps=w, num_stages=2)
-                for v in variants
-                for bt in (32, 64)
-                for w in warps
-            ]
+            grid = [dict(v, block_t=bt, num_warps=w, num_stages=2) for v in variants for bt in (32, 64) for w in warps]
             store, bt_, n_paged = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
             nbytes = B * L * store.layout.bytes_per_token()
             res = []
             for kw in grid:
-                for mul in (1, 2, 4):
+                for mul in (2, 4):
                     kw2 = dict(kw, num_splits=splits_for(mul, B, h))
                     try:
                         args = (q, qr, store, bt_, n_paged, 0.07)

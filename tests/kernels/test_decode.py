@@ -161,3 +161,18 @@ def test_folded_scale_kernel_rejects_other_geometry():
     q, qr, store, bt, n_paged, _, _ = make_case(4, 4, [10], [0], 4, dc=128)
     with pytest.raises(ValueError, match="d_c=512"):
         mla_decode(q, qr, store, bt, n_paged, 0.1, fold=True)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_left_padding_masks(fold):
+    case = make_case(4, 4, [130, 70], [6, 6], 16, dc=512, page=64, seed=3)
+    q, qr, store, bt, n_paged, window, wl = case
+    ps = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
+    ws = torch.tensor([4, 2], dtype=torch.int32, device=q.device)
+    kw = dict(paged_start=ps, window_skip=ws)
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, out_dtype=torch.float32, fold=fold, **kw)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl, **kw)
+    full_o, _ = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl)
+    assert (ref_o - full_o).abs().max() > 1e-3  # the masks matter
+    assert (o.cpu() - ref_o.cpu()).abs().max() < 2e-2 * ref_o.abs().max()
+    assert (lse.cpu() - ref_lse.cpu()).abs().max() < 2e-2 * ref_lse.abs().max()

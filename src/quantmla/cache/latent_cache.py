@@ -32,6 +32,8 @@ from quantmla.quant.affine import check_group
 from quantmla.quant.fp8 import FP8_TILE
 from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme
 
+BACKENDS = ("auto", "torch", "triton")
+
 
 @dataclass(frozen=True)
 class LatentCacheConfig:
@@ -98,12 +100,48 @@ class QuantizedLatentLayer(DynamicLayer):
 
         sink_page = max(cfg.sink, 1)  # the sink store never grows past `sink` tokens: allocate exactly
         self.sink_c, self.sink_r = store(hp, cfg.kv_lora_rank, sink_page), store(hp, cfg.rope_dim, sink_page)
-        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank, cfg.page_size)
-        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim, cfg.page_size)
+        self._init_mid(b)
+        self.batch = b
         self.rec_c = torch.empty(b, 0, cfg.kv_lora_rank, dtype=self.hp_dtype, device=self.device)
         self.rec_r = torch.empty(b, 0, cfg.rope_dim, dtype=self.hp_dtype, device=self.device)
         self.keys = self.values = None  # the stores above hold the data
         self.is_initialized = True
+
+    def _windows(self) -> tuple[int, int | None]:
+        """(sink, recent) capacities; ``None``: unbounded (a bf16 scheme keeps every token as computed)."""
+        if not self.cfg.scheme.quantized:
+            return 0, None
+        return self.cfg.sink, self.cfg.recent
+
+    # -- the middle (quantised) store: overridden by the kernel-backed layer ------------------
+    def _init_mid(self, batch: int) -> None:
+        cfg = self.cfg
+
+        def store(fmt: PathFormat, dim: int) -> PathStore:
+            return PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size)
+
+        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank)
+        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim)
+
+    def _append_mid(self, c: torch.Tensor, r: torch.Tensor) -> None:
+        self.mid_c.append(c)
+        self.mid_r.append(r)
+
+    def _mid_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mid_c.dequantize(dtype), self.mid_r.dequantize(dtype)
+
+    def _mid_nbytes(self) -> int:
+        return self.mid_c.nbytes() + self.mid_r.nbytes()
+
+    def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):
+        """What ``update`` returns: every cached token, the new ones as computed when ``s > 1``."""
+        mc, mr = self._mid_view(c.dtype)
+        out_c = torch.cat([self.sink_c.dequantize(c.dtype), mc, self.rec_c.to(c.dtype)], dim=1)
+        out_r = torch.cat([self.sink_r.dequantize(r.dtype), mr, self.rec_r.to(r.dtype)], dim=1)
+        if s > 1:  # the new tokens of a multi-token update are attended as computed
+            out_c[:, -s:] = c
+            out_r[:, -s:] = r
+        return out_c.unsqueeze(1), out_r.unsqueeze(1)
 
     def _check(self, c: torch.Tensor, r: torch.Tensor) -> None:
         cfg = self.cfg
@@ -113,38 +151,28 @@ class QuantizedLatentLayer(DynamicLayer):
                 f"{cfg.rope_dim} ([batch, 1, tokens, dim]); got latent {tuple(c.shape)} and RoPE key "
                 f"{tuple(r.shape)}: was the cache built for another model?"
             )
-        if self.is_initialized and c.shape[0] != self.mid_c.batch:
-            raise ValueError(f"batch size changed from {self.mid_c.batch} to {c.shape[0]} within one cache")
+        if self.is_initialized and c.shape[0] != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {c.shape[0]} within one cache")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store new latent ``[B,1,S,d_c]`` and RoPE key ``[B,1,S,d_r]``; return all cached tokens."""
         self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        cfg = self.cfg
         c, r = key_states[:, 0], value_states[:, 0]
         s = c.shape[1]
-        n_sink = min(max(cfg.sink - self.sink_c.length, 0), s) if cfg.scheme.quantized else 0
+        sink_cap, recent_cap = self._windows()
+        n_sink = min(max(sink_cap - self.sink_c.length, 0), s)
         self.sink_c.append(c[:, :n_sink])
         self.sink_r.append(r[:, :n_sink])
         self.rec_c = torch.cat([self.rec_c, c[:, n_sink:].to(self.hp_dtype)], dim=1)
         self.rec_r = torch.cat([self.rec_r, r[:, n_sink:].to(self.hp_dtype)], dim=1)
-        overflow = self.rec_c.shape[1] - cfg.recent if cfg.scheme.quantized else 0
+        overflow = self.rec_c.shape[1] - recent_cap if recent_cap is not None else 0
         if overflow > 0:
-            self.mid_c.append(self.rec_c[:, :overflow])
-            self.mid_r.append(self.rec_r[:, :overflow])
+            self._append_mid(self.rec_c[:, :overflow], self.rec_r[:, :overflow])
             self.rec_c, self.rec_r = self.rec_c[:, overflow:].clone(), self.rec_r[:, overflow:].clone()
         self.seen += s
-        out_c = self._view(self.sink_c, self.mid_c, self.rec_c, c.dtype)
-        out_r = self._view(self.sink_r, self.mid_r, self.rec_r, r.dtype)
-        if s > 1:  # the new tokens of a multi-token update are attended as computed
-            out_c[:, -s:] = c
-            out_r[:, -s:] = r
-        return out_c.unsqueeze(1), out_r.unsqueeze(1)
-
-    @staticmethod
-    def _view(sink, mid, rec: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([sink.dequantize(dtype), mid.dequantize(dtype), rec.to(dtype)], dim=1)
+        return self._result(c, r, s)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -169,6 +197,7 @@ class QuantizedLatentLayer(DynamicLayer):
         for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r):
             st.map_batch(fn)
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
+        self.batch = self.rec_c.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -184,7 +213,7 @@ class QuantizedLatentLayer(DynamicLayer):
         if not self.is_initialized:
             return 0
         hp = sum(t.numel() * t.element_size() for t in (self.rec_c, self.rec_r))
-        return hp + sum(st.nbytes() for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r))
+        return hp + self.sink_c.nbytes() + self.sink_r.nbytes() + self._mid_nbytes()
 
 
 class QuantizedLatentCache(Cache):
@@ -197,6 +226,9 @@ class QuantizedLatentCache(Cache):
         sink / recent: the first ``sink`` and last ``recent`` tokens stay unquantised.
         page_size: quantised storage grows in pages of this many tokens.
         hp_dtype: dtype of the unquantised windows (default: the model's activation dtype).
+        backend: ``torch`` (dequantise, then attend), ``triton`` (the fused decode kernel; BF16
+            models, schemes bf16 / c4r4 / c2r4), or ``auto``: triton for BF16 activations on CUDA
+            when the scheme has a kernel layout, torch otherwise. ``backends_used()`` says which ran.
     """
 
     def __init__(
@@ -208,7 +240,11 @@ class QuantizedLatentCache(Cache):
         recent: int = 128,
         page_size: int = 64,
         hp_dtype: torch.dtype | None = None,
+        backend: str = "auto",
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
+        self.backend = backend
         adapter = get_adapter(config)
         dims: MLADims = adapter.dims(config)
         self.cache_config = LatentCacheConfig(
@@ -221,8 +257,36 @@ class QuantizedLatentCache(Cache):
             page_size=page_size,
             hp_dtype=hp_dtype,
         )
+        if backend == "triton":
+            from quantmla.cache.kernel_layer import kernel_layout
+
+            kernel_layout(self.cache_config)  # fail now, with the reason, if the kernel cannot serve it
         layers = [QuantizedLatentLayer(self.cache_config, i) for i in range(adapter.num_cache_layers(config))]
         super().__init__(layers=layers)
+
+    def _kernel_layer(self, key_states: torch.Tensor, layer_idx: int) -> bool:
+        if self.backend == "torch":
+            return False
+        if self.backend == "triton":
+            return True
+        if key_states.device.type != "cuda" or key_states.dtype != torch.bfloat16:
+            return False
+        from quantmla.cache.kernel_layer import kernel_layout
+
+        try:
+            kernel_layout(self.cache_config)
+        except ValueError:
+            return False
+        return True
+
+    def backends_used(self) -> list[str]:
+        """Per layer, which path served it (``torch`` or ``triton``; ``-`` before the first update)."""
+        from quantmla.cache.kernel_layer import KernelLatentLayer
+
+        return [
+            "-" if not lyr.is_initialized else ("triton" if isinstance(lyr, KernelLatentLayer) else "torch")
+            for lyr in self.layers
+        ]
 
     @property
     def scheme(self) -> CacheScheme:
@@ -231,7 +295,12 @@ class QuantizedLatentCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx={layer_idx} out of range: this cache has {len(self.layers)} layers")
-        return self.layers[layer_idx].update(key_states, value_states)
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized and self._kernel_layer(key_states, layer_idx):
+            from quantmla.cache.kernel_layer import KernelLatentLayer
+
+            layer = self.layers[layer_idx] = KernelLatentLayer(self.cache_config, layer_idx)
+        return layer.update(key_states, value_states)
 
     def nbytes(self) -> int:
         """Bytes of all allocated cache storage (codes, scales, minima and unquantised windows)."""
@@ -243,4 +312,4 @@ class QuantizedLatentCache(Cache):
         layer0 = self.layers[0]
         if seq == 0 or not layer0.is_initialized:
             return 0.0
-        return self.nbytes() / (len(self.layers) * seq * layer0.mid_c.batch)
+        return self.nbytes() / (len(self.layers) * seq * layer0.batch)

@@ -185,6 +185,7 @@ def _paged_kernel(
     RM,
     BT,
     NPAGED,
+    KSTART,
     OP,
     LP,
     H,
@@ -220,6 +221,7 @@ def _paged_kernel(
     a3 = tl.zeros([BLOCK_H, PL], tl.float32)
 
     n = tl.load(NPAGED + b)
+    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
     npages = tl.cdiv(n, PAGE)
     per = tl.cdiv(npages, NS)
     p0 = split * per
@@ -228,7 +230,7 @@ def _paged_kernel(
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
-            tmask = p * PAGE + rows < n
+            tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
             tok = page * PAGE + rows  # physical token index
             if CBITS == 16:
                 c0, c1, c2, c3, r0, r1 = _load_bf16_rows(CC + tok * (DC + DR), tmask, DC, PL, RPL)
@@ -286,6 +288,7 @@ def _window_kernel(
     QR,
     HP,
     HPLEN,
+    WSKIP,
     OP,
     LP,
     H,
@@ -313,9 +316,10 @@ def _window_kernel(
     a2 = tl.zeros([BLOCK_H, PL], tl.float32)
     a3 = tl.zeros([BLOCK_H, PL], tl.float32)
     hl = tl.load(HPLEN + b)
+    wskip = tl.load(WSKIP + b)  # window rows before this index are masked (left padding in the sinks)
     for t0 in range(0, hl, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
-        tmask = rows < hl
+        tmask = (rows < hl) & (rows >= wskip)
         c0, c1, c2, c3, r0, r1 = _load_bf16_rows(HP + (b * HPCAP + rows).to(tl.int64) * (DC + DR), tmask, DC, PL, RPL)
         m_i, l_i, a0, a1, a2, a3 = _attend(
             q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
@@ -384,6 +388,8 @@ def mla_decode(
     select_scales: bool | None = None,
     two_pass: bool = False,
     fold: bool = False,
+    paged_start: torch.Tensor | None = None,
+    window_skip: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -392,6 +398,8 @@ def mla_decode(
         store: the page pool; block_table ``[B, max_pages]`` int32; n_paged ``[B]`` int32 tokens in pages.
         scale: softmax scale. window / window_len: ``[B, cap, d_c + d_r]`` bf16 unquantised tokens
             (sinks and recent window) and their count per sequence, joined into the same softmax.
+        paged_start / window_skip: ``[B]`` int32; paged tokens before ``paged_start`` and window rows
+            before ``window_skip`` are masked out (left padding). Default: nothing masked.
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
@@ -413,6 +421,11 @@ def mla_decode(
         raise ValueError(f"window must be bfloat16 [B, cap, {DC + DR}], got {window.dtype} {tuple(window.shape)}")
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     dev = q_lat.device
+    zeros = torch.zeros(B, dtype=torch.int32, device=dev)
+    paged_start = zeros if paged_start is None else paged_start
+    window_skip = zeros if window_skip is None else window_skip
+    if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
+        raise ValueError("paged_start and window_skip must be int32")
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
     hg = triton.cdiv(H, block_h)
@@ -442,7 +455,7 @@ def mla_decode(
             raise ValueError("the folded-scale kernel needs d_c=512, d_r=64, group 64, INT4/INT2 content, INT4 RoPE")
         kernel = launch_fold(
             (B, ns, hg), q_lat, q_pe, store.content, store.c_scale, store.c_min, store.rope, store.r_scale,
-            store.r_min, block_table, n_paged, op, lp, H, maxp, ns, nsp, scale_log2,
+            store.r_min, block_table, n_paged, paged_start, op, lp, H, maxp, ns, nsp, scale_log2,
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, CBITS=lay.content_bits,
             DT=dot_dtype, num_warps=num_warps, **stages,
         )  # fmt: skip
@@ -458,6 +471,7 @@ def mla_decode(
             rm,
             block_table,
             n_paged,
+            paged_start,
             op,
             lp,
             H,
@@ -487,6 +501,7 @@ def mla_decode(
             q_pe,
             window,
             window_len,
+            window_skip,
             op,
             lp,
             H,

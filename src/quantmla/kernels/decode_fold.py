@@ -49,7 +49,7 @@ def _value_group(
 
 @triton.jit
 def _paged_fold_kernel(
-    Q, QR, CC, CS, CM, RC, RS, RM, BT, NPAGED, OP, LP,
+    Q, QR, CC, CS, CM, RC, RS, RM, BT, NPAGED, KSTART, OP, LP,
     H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     CBITS: tl.constexpr, DT: tl.constexpr,
@@ -101,6 +101,7 @@ def _paged_fold_kernel(
     macc = tl.zeros([BLOCK_H, 16], tl.float32)
 
     n = tl.load(NPAGED + b)
+    kstart = tl.load(KSTART + b)
     npages = tl.cdiv(n, PAGE)
     per = tl.cdiv(npages, NS)
     p0 = split * per
@@ -109,7 +110,7 @@ def _paged_fold_kernel(
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
-            tmask = p * PAGE + rows < n
+            tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
             tok = page * PAGE + rows
             mins = tl.load(CM + tok[:, None] * 8 + c16, mask=tmask[:, None] & (c16 < 8), other=0.0).to(tl.float32)
             qk = tl.dot(qsum, tl.trans(mins), input_precision="ieee")  # sum_g m_g sum(q_g), fp32

@@ -15,15 +15,21 @@ def gather_tokens(store: PagedLatentStore, block_table: torch.Tensor, n: int, b:
     return store.read(pages, idx % page)
 
 
-def mla_decode_reference(q_lat, q_pe, store, block_table, n_paged, scale, window=None, window_len=None):
+def mla_decode_reference(
+    q_lat, q_pe, store, block_table, n_paged, scale, window=None, window_len=None, paged_start=None, window_skip=None
+):
     """Returns float32 ``o_lat [B, H, d_c]`` and ``lse [B, H]``; same arguments as ``mla_decode``."""
     B, H, DC = q_lat.shape
     o = torch.zeros(B, H, DC, dtype=torch.float32, device=q_lat.device)
     lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
     for b in range(B):
         c, r = gather_tokens(store, block_table, int(n_paged[b]), b)
+        if paged_start is not None:
+            c, r = c[int(paged_start[b]) :], r[int(paged_start[b]) :]
         if window is not None:
             w = window[b, : int(window_len[b])].float()
+            if window_skip is not None:
+                w = w[int(window_skip[b]) :]
             c, r = torch.cat([c, w[:, :DC]]), torch.cat([r, w[:, DC:]])
         if c.shape[0] == 0:
             continue

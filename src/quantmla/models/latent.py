@@ -101,6 +101,10 @@ def latent_attention_forward(
     nope = module.qk_nope_head_dim
     q_nope, q_pe = query[..., :nope], query[..., nope:]
     scale = module.scaling if scaling is None else scaling
+    kernel_layer = getattr(key, "_quantmla_kernel_layer", None)  # a decode step of the triton backend
+    if kernel_layer is not None:
+        attend = kernel_layer.attend
+        return attend(q_nope, q_pe, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask), None
     attend = absorbed_attention if state.simulation is None else state.simulation.attend
     out = attend(q_nope, q_pe, key, value, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask)
     return out, None
