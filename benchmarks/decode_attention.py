@@ -117,19 +117,27 @@ def splits_for(mul: float, B: int, h: int) -> int:
     return max(1, math.ceil(mul * 132 / (B * math.ceil(h / 64))))
 
 
-def sweep(gen, out_json: str | None) -> dict:
+def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), stages=(2,), names=("select",)) -> dict:
     """Time launch variants at B=32, 64K for each (heads, scheme); returns the best per (heads, scheme)."""
     from quantmla.kernels.decode import mla_decode
 
     B, L = 32, 65536
     best = {}
-    for h in (16, 128):
-        for scheme in SCHEMES:
+    for h in heads:
+        for scheme in schemes:
             quant = scheme != "bf16"
-            variants = [dict(select_scales=True), dict(select_scales=True, two_pass=True), dict(fold=True)]
+            known = {"select": dict(select_scales=True), "two_pass": dict(select_scales=True, two_pass=True),
+                     "fold": dict(fold=True)}  # fmt: skip
+            variants = [known[n] for n in names]
             variants = variants if quant else [dict()]
             warps = (4, 8) if h <= 64 else (8,)
-            grid = [dict(v, block_t=bt, num_warps=w, num_stages=2) for v in variants for bt in (32, 64) for w in warps]
+            grid = [
+                dict(v, block_t=bt, num_warps=w, num_stages=st)
+                for v in variants
+                for bt in (32, 64)
+                for w in warps
+                for st in stages
+            ]
             store, bt_, n_paged = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
@@ -142,8 +150,14 @@ def sweep(gen, out_json: str | None) -> dict:
                         args = (q, qr, store, bt_, n_paged, 0.07)
                         us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
                         k = mla_decode.last_kernel
+                        smem = getattr(getattr(k, "metadata", None), "shared", None)
                         res.append(
-                            (us, dict(kw, split_mul=mul), getattr(k, "n_regs", None), getattr(k, "n_spills", None))
+                            (
+                                us,
+                                dict(kw, split_mul=mul),
+                                getattr(k, "n_regs", None),
+                                (getattr(k, "n_spills", None), smem),
+                            )
                         )
                     except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
                         print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
@@ -151,7 +165,7 @@ def sweep(gen, out_json: str | None) -> dict:
             for us, kw, regs, spills in res[:4]:
                 print(
                     f"sweep h={h} {scheme}: {us:.1f} us ({nbytes / us / 1e3:.0f} GB/s) "
-                    f"regs={regs} spills={spills} {kw}",
+                    f"regs={regs} spills,smem={spills} {kw}",
                     flush=True,
                 )
             worst = res[-1]
@@ -171,13 +185,22 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all rows as JSON here")
     ap.add_argument("--sweep", action="store_true", help="tune launch variants first, then use the best ones")
     ap.add_argument("--sweep-json", default=None, help="write the tuned launch parameters here")
+    ap.add_argument("--sweep-heads", default="16,128")
+    ap.add_argument("--sweep-schemes", default=",".join(SCHEMES))
+    ap.add_argument("--sweep-stages", default="2")
+    ap.add_argument("--sweep-variants", default="select,two_pass,fold", help="low-bit variants to time")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--torch-max-tokens", type=int, default=32 * 65536, help="skip the torch reference above B*L")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tuned = sweep(gen, args.sweep_json) if args.sweep else {}
+    tuned = {}
+    if args.sweep:
+        tuned = sweep(
+            gen, args.sweep_json, tuple(map(int, args.sweep_heads.split(","))), tuple(args.sweep_schemes.split(",")),
+            tuple(map(int, args.sweep_stages.split(","))), tuple(args.sweep_variants.split(",")),
+        )  # fmt: skip
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {bw:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     rows = []
