@@ -89,3 +89,11 @@ def test_load_text(tmp_path):
         load_text(tmp_path / "missing.txt")
     with pytest.raises(ValueError, match="not both"):
         load_text(p, dataset=tmp_path)
+
+
+def test_load_text_from_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is an optional extra (pip install 'quantmla[eval]')")
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["a b", "", "c"]})}).save_to_disk(tmp_path)
+    assert load_text(dataset=tmp_path, split="test") == "a b\n\nc"
+    with pytest.raises(ValueError, match="has splits"):
+        load_text(dataset=tmp_path, split="train")

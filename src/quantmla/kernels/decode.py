@@ -364,9 +364,10 @@ def default_launch(block_h: int, content_bits: int) -> dict:
     quant = content_bits != 16
     return dict(
         block_t=64,
-        num_warps=8 if (quant or block_h > 16) else 4,
+        num_warps=4 if (not quant and block_h <= 16) or (content_bits == 2 and block_h <= 16) else 8,
         num_stages=2,
-        select_scales=block_h <= 32,
+        select_scales=True,
+        two_pass=content_bits == 2,
     )
 
 
@@ -386,7 +387,7 @@ def mla_decode(
     num_stages: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     select_scales: bool | None = None,
-    two_pass: bool = False,
+    two_pass: bool | None = None,
     fold: bool = False,
     paged_start: torch.Tensor | None = None,
     window_skip: torch.Tensor | None = None,
@@ -400,6 +401,9 @@ def mla_decode(
             (sinks and recent window) and their count per sequence, joined into the same softmax.
         paged_start / window_skip: ``[B]`` int32; paged tokens before ``paged_start`` and window rows
             before ``window_skip`` are masked out (left padding). Default: nothing masked.
+        num_splits, block_t, block_h, num_warps, num_stages, select_scales, two_pass: launch
+            parameters; ``None`` takes :func:`default_num_splits` / :func:`default_launch` (tuned on H200).
+        fold: use the folded-scale kernel (:mod:`quantmla.kernels.decode_fold`; slower on H200 today).
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
@@ -435,6 +439,7 @@ def mla_decode(
     block_t = min(block_t or tuned["block_t"], lay.page_size)
     num_warps = num_warps or tuned["num_warps"]
     select_scales = tuned["select_scales"] if select_scales is None else select_scales
+    two_pass = tuned["two_pass"] if two_pass is None else two_pass
     stages = {"num_stages": num_stages or tuned["num_stages"]}
     if os.environ.get("TRITON_INTERPRET") == "1":
         stages = {}
