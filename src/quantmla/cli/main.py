@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
 import typer
 from rich.console import Console
 
@@ -57,6 +61,57 @@ def demo(
         render(cfg, Console())
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+
+
+@app.command()
+def analyze(
+    model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
+    num_seqs: int = typer.Option(8, min=1, help="Calibration sequences."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per sequence."),
+    shape: str = typer.Option("both", help="Perturbation shape: gaussian, quant or both."),
+    quantizer: str = typer.Option("c4r4", help="Scheme whose quantiser residual shapes the 'quant' perturbation."),
+    nmse: float = typer.Option(0.01, help="Cache NMSE of each perturbation."),
+    probes: int = typer.Option(8, min=1, help="Random probes for the trace and diagonal estimates."),
+    batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
+    layers: str = typer.Option(None, help="Comma-separated cache indices (default: all)."),
+    seed: int = typer.Option(0, help="Random seed (results are deterministic for a seed)."),
+    text: Path = typer.Option(None, "--text", help="Calibration text file (default: bundled validation split)."),
+    dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
+    split: str = typer.Option("validation", help="Split of --dataset or of the bundled text."),
+    out: Path = typer.Option(None, "--out", help="Write analysis.json, analysis.csv and analysis.png here."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Dual-path sensitivity: how much each cached path (content latent, RoPE key) moves the attention output."""
+    from quantmla.analysis import AnalysisConfig
+    from quantmla.analysis import analyze as run_analysis
+    from quantmla.analysis.report import table, write
+    from quantmla.eval.ppl import token_windows
+    from quantmla.models.loading import load, load_text
+
+    shapes = {"both": ("gaussian", "quant"), "gaussian": ("gaussian",), "quant": ("quant",)}
+    if shape not in shapes:
+        raise typer.BadParameter(f"shape={shape!r}; valid: gaussian, quant, both")
+    try:
+        cfg = AnalysisConfig(
+            shapes=shapes[shape], quantizer=quantizer, nmse=nmse, probes=probes, batch_size=batch_size, seed=seed
+        )
+        body = load_text(text, dataset, split)
+        m, tok = load(model, device=device)
+        windows = token_windows(tok, body, seq_len, num_seqs)
+        idx = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
+        report = run_analysis(m, windows, cfg, layers=idx, progress=True)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    title = f"{model}: responses at cache NMSE {nmse} ({num_seqs} x {seq_len} tokens)"
+    if out is not None:
+        write(report, out, title)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    Console().print(table(report, title))
+    if out is not None:
+        Console().print(f"wrote {out}/analysis.json, analysis.csv, analysis.png")
 
 
 if __name__ == "__main__":
