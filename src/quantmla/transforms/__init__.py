@@ -1,0 +1,10 @@
+from quantmla.transforms.fuse import (
+    ContentTransform,
+    RopeTransform,
+    fuse_content,
+    fuse_rope,
+    fuse_transforms,
+    random_orthogonal,
+)
+
+__all__ = ["ContentTransform", "RopeTransform", "fuse_content", "fuse_rope", "fuse_transforms", "random_orthogonal"]

@@ -1,0 +1,121 @@
+"""Fused transforms cost nothing at full precision: float64 logits unchanged, for every family.
+
+transformers' RMSNorm computes in float32 even in a float64 model, and DeepSeek-V2's RoPE multiplies in
+complex64; both round the *transformed* tensors differently (~1e-6 in the logits). The exactness test
+therefore gives the latent norms a float64 forward (on the test's instances only), and checks
+DeepSeek-V2's RoPE transform against a bound derived from float32 rounding.
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from quantmla import enable_latent_attention
+from quantmla.models import get_adapter
+from quantmla.models.compat import cache_kwargs
+from quantmla.models.tiny import TINY_CONFIGS, tiny_model
+from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
+
+
+def _random_transforms(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    adapter = get_adapter(model)
+    dims = adapter.dims(model.config)
+    content, rope = {}, {}
+    for idx, _ in adapter.attention_modules(model):
+        content[idx] = ContentTransform(
+            random_orthogonal(dims.kv_lora_rank, g),
+            torch.exp(0.5 * torch.randn(dims.kv_lora_rank, generator=g).double()),
+        )
+        rope[idx] = RopeTransform(
+            torch.rand(dims.rope_dim // 2, generator=g).double() * 6.28,
+            0.5 * torch.randn(dims.rope_dim // 2, generator=g).double(),
+        )
+    return content, rope
+
+
+def _float64_norm(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _exact_norms(model):
+    adapter = get_adapter(model)
+    for _, attn in adapter.attention_modules(model):
+        norm = adapter.kv_norm(attn)
+        norm.forward = types.MethodType(_float64_norm, norm)
+    return model
+
+
+FLOAT32_ROPE = {"deepseek_v2", "deepseek_v2_noqlora_yarn"}  # complex64 rotation inside transformers
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_fused_model_has_identical_logits(name):
+    ref = _exact_norms(tiny_model(name, dtype=torch.float64))
+    content, rope = _random_transforms(ref)
+    if name in FLOAT32_ROPE:
+        rope = {}
+    fused = fuse_transforms(_exact_norms(copy.deepcopy(ref)), content, rope)
+    ids = torch.randint(3, 256, (2, 19))
+    with torch.no_grad():
+        a, b = ref(ids).logits, fused(ids).logits
+        assert (a - b).abs().max().item() <= 1e-9
+        # and through the latent path, which reads the transformed cache
+        lat = enable_latent_attention(_exact_norms(copy.deepcopy(fused)))
+        assert (lat(ids).logits - a).abs().max().item() <= 1e-9
+    # the weights really changed
+    w0 = next(get_adapter(ref).attention_modules(ref))[1].kv_b_proj.weight
+    w1 = next(get_adapter(fused).attention_modules(fused))[1].kv_b_proj.weight
+    assert (w0 - w1).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT32_ROPE))
+def test_float32_rope_family_within_float32_rounding(name):
+    ref = tiny_model(name, dtype=torch.float64)
+    content, rope = _random_transforms(ref)
+    fused = fuse_transforms(copy.deepcopy(ref), content, rope)
+    ids = torch.randint(3, 256, (2, 19))
+    with torch.no_grad():
+        a, b = ref(ids).logits, fused(ids).logits
+    # float32 rounding of the rotated query/key and of the norm: 64 float32 ulps of the logit scale
+    assert (a - b).abs().max().item() <= 64 * torch.finfo(torch.float32).eps * a.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3", "longcat_flash"])
+def test_cached_tensors_are_transformed(name):
+    ref = _exact_norms(tiny_model(name, dtype=torch.float64))
+    content, rope = _random_transforms(ref, seed=1)
+    fused = fuse_transforms(_exact_norms(copy.deepcopy(ref)), content, rope)
+    adapter = get_adapter(ref)
+    ids = torch.randint(3, 256, (1, 7))
+    caches = []
+    for m in (ref, fused):
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            m(ids, use_cache=True, **cache_kwargs(cache))
+        caches.append(cache)
+    layout = adapter.rope_layout(ref.config)
+    cp = layout.cache_pairs(64)
+    for idx, attn in adapter.attention_modules(ref):
+        g = adapter.kv_norm(attn).weight.double() * adapter.latent_scale(attn)
+        c, c2 = caches[0].layers[idx].keys[:, 0], caches[1].layers[idx].keys[:, 0]
+        t = content[idx]
+        expect = c / g @ t.rotation @ torch.diag(t.scales) * adapter.latent_scale(attn)
+        # DeepSeek-V2: the float32 RoPE of earlier layers already perturbs this layer's input (~1e-6)
+        tol = 1e-5 if name in FLOAT32_ROPE else 1e-9
+        assert torch.allclose(c2, expect, atol=tol)
+        k, k2 = caches[0].layers[idx].values[:, 0], caches[1].layers[idx].values[:, 0]
+        assert torch.allclose(k2, k @ rope[idx].matrix(cp), atol=tol)
+
+
+def test_bad_transforms():
+    with pytest.raises(ValueError, match="not orthogonal"):
+        ContentTransform(torch.randn(8, 8).double(), torch.ones(8).double())
+    with pytest.raises(ValueError, match="positive"):
+        ContentTransform(torch.eye(8).double(), -torch.ones(8).double())
+    m = tiny_model("deepseek_v3", dtype=torch.float64)
+    with pytest.raises(ValueError, match="no attention module with cache index 9"):
+        fuse_transforms(m, content={9: ContentTransform(torch.eye(128).double(), torch.ones(128).double())})
