@@ -45,14 +45,18 @@ def results_table(title: str, results) -> Table:
 def ppl(
     model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
     scheme: str = typer.Option(
-        "bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b>."
+        None,
+        "--scheme",
+        "-s",
+        help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b> (default: the model's "
+        "quantmla.json scheme, else bf16).",
     ),
     seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
     num_seqs: int = typer.Option(None, min=1, help="Windows to evaluate (default: all full windows of the text)."),
-    sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),
-    recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
+    sink: int = typer.Option(None, min=0, help="Leading tokens kept unquantised (default: quantmla.json, else 4)."),
+    recent: int = typer.Option(None, min=0, help="Recent tokens kept unquantised (default: quantmla.json, else 128)."),
     no_sink_recent: bool = typer.Option(False, "--no-sink-recent", help="Quantise every token (sink=recent=0)."),
-    group_size: int = typer.Option(64, min=1, help="Channels per quantisation group."),
+    group_size: int = typer.Option(None, min=1, help="Channels per group (default: quantmla.json, else 64)."),
     batch_size: int = typer.Option(8, min=1, help="Windows per forward."),
     text: Path = typer.Option(None, "--text", help="Evaluate this UTF-8 text file instead of the bundled test split."),
     dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
@@ -66,9 +70,16 @@ def ppl(
     from quantmla.eval.ppl import PerplexityConfig, perplexity
     from quantmla.models.loading import load, load_text
 
-    if no_sink_recent:
-        sink, recent = 0, 0
     try:
+        body = load_text(text, dataset, split, column)
+        m, tok = load(model, dtype=_dtype(dtype), device=device)
+        meta = m.quantmla_meta or {}
+        scheme = scheme or meta.get("scheme", "bf16")
+        sink = meta.get("sink", 4) if sink is None else sink
+        recent = meta.get("recent", 128) if recent is None else recent
+        group_size = meta.get("group_size", 64) if group_size is None else group_size
+        if no_sink_recent:
+            sink, recent = 0, 0
         cfgs = [
             PerplexityConfig(
                 scheme=s.strip(),
@@ -82,8 +93,6 @@ def ppl(
             for s in scheme.split(",")
             if s.strip()
         ]
-        body = load_text(text, dataset, split, column)
-        m, tok = load(model, dtype=_dtype(dtype), device=device)
         results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

@@ -114,5 +114,58 @@ def analyze(
         Console().print(f"wrote {out}/analysis.json, analysis.csv, analysis.png")
 
 
+@app.command()
+def calibrate(
+    model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
+    out: Path = typer.Option(..., "--out", help="Directory for the fused model and quantmla.json."),
+    scheme: str = typer.Option("c4r4", help="Cache scheme to calibrate for (c4r4, c2r4, ...)."),
+    method: str = typer.Option("quantmla", help="quantmla, rtn, smoothquant or quarot."),
+    steps: int = typer.Option(300, min=0, help="Learning steps per path and layer (quantmla)."),
+    num_seqs: int = typer.Option(128, min=1, help="Calibration sequences."),
+    val_seqs: int = typer.Option(32, min=1, help="Held-out sequences (best step)."),
+    seq_len: int = typer.Option(512, min=2, help="Tokens per sequence."),
+    batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
+    sink: int = typer.Option(4, min=0, help="Sink tokens kept unquantised (recorded for decode)."),
+    recent: int = typer.Option(128, min=0, help="Recent tokens kept unquantised (recorded for decode)."),
+    no_sink_recent: bool = typer.Option(False, "--no-sink-recent", help="Record sink=recent=0."),
+    seed: int = typer.Option(0, help="Random seed."),
+    text: Path = typer.Option(None, "--text", help="Calibration text file (default: bundled validation split)."),
+    dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
+    split: str = typer.Option("validation", help="Split of --dataset or of the bundled text."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+) -> None:
+    """Learn (or set) fusable per-path transforms, fuse them into the weights, export a model directory."""
+    from rich.table import Table
+
+    from quantmla.calibrate import calibrate as run_calibration
+    from quantmla.calibrate import export
+    from quantmla.models.loading import load, load_text
+
+    if no_sink_recent:
+        sink, recent = 0, 0
+    try:
+        body = load_text(text, dataset, split)
+        m, tok = load(model, device=device)
+        m, report = run_calibration(
+            m, tok, body, scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs,
+            seq_len=seq_len, batch_size=batch_size, sink=sink, recent=recent, seed=seed,
+        )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    export(m, tok, out, report)
+    t = Table(title=f"{method} {scheme}: held-out error per layer (before -> after)")
+    for col in ("layer", "content", "RoPE"):
+        t.add_column(col, justify="right")
+    for row in report.layers:
+        c, r = row["content"], row["rope"]
+        t.add_row(
+            str(row["layer"]),
+            f"{c['val_before']:.4f} -> {c['val_after']:.4f}",
+            f"{r['val_before']:.5f} -> {r['val_after']:.5f}",
+        )
+    Console().print(t)
+    Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
+
+
 if __name__ == "__main__":
     app()

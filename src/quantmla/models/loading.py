@@ -67,13 +67,23 @@ def load(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ):
-    """Load ``(model, tokenizer)`` in eval mode; the model must be a supported MLA architecture."""
+    """Load ``(model, tokenizer)`` in eval mode; the model must be a supported MLA architecture.
+
+    A directory written by ``quantmla calibrate`` carries ``quantmla.json``; it is validated and kept
+    as ``model.quantmla_meta`` (``None`` otherwise), and quantmla commands use its cache scheme.
+    """
     path = resolve_model_path(name_or_path)
+    from quantmla.calibrate.api import read_meta
+
+    read_meta(path)  # a corrupt or mismatched quantmla.json fails before any weight is loaded
     config = load_config(path)
     get_adapter(config)  # fail early, with the list of supported architectures
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation=attn_implementation
     ).to(device)
+    from quantmla.calibrate.api import read_meta
+
+    model.quantmla_meta = read_meta(path)  # the exported cache scheme, if the directory has one
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -1,0 +1,180 @@
+"""Per-layer transforms of each method, all in the fusable spaces of :mod:`quantmla.transforms`.
+
+* ``rtn``: no transform;
+* ``smoothquant``: per-channel content scales and per-pair RoPE scales that flatten the ranges
+  (``s_j = (m / max|c_j|)^alpha``, ``m`` their geometric mean, alpha 0.5);
+* ``quarot``: a randomised Hadamard rotation of the content latent; on the RoPE path the randomised
+  Hadamard that commutes with RoPE, a 2x2 Hadamard per pair (rotation by +-pi/4);
+* ``quantmla``: learned R, S (content; Cayley-free: R0 exp(A - A^T)) and phi, sigma (RoPE) against the
+  function-aligned objectives, best step on held-out data, content initialised at identity or a
+  randomised Hadamard, whichever validates better.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantmla.calibrate.objectives import LayerBatch, content_loss, rope_loss
+from quantmla.quant.scheme import PathFormat
+from quantmla.transforms.fuse import ContentTransform, RopeTransform
+
+METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
+
+
+def hadamard(d: int, generator: torch.Generator) -> torch.Tensor:
+    """Randomised Hadamard ``H diag(+-1) / sqrt(d)`` (Sylvester; ``d`` a power of two)."""
+    if d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two dimension, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=generator).double() * 2 - 1
+    return h * signs / math.sqrt(d)
+
+
+def smooth_scales(amax: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    amax = amax.clamp_min(1e-8)
+    return torch.exp(alpha * (amax.log().mean() - amax.log()))
+
+
+@dataclass(frozen=True)
+class LearnConfig:
+    steps: int = 300
+    lr: float = 5e-3
+    eval_every: int = 25
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.lr <= 0 or self.eval_every < 1:
+            raise ValueError(f"steps={self.steps}, lr={self.lr}, eval_every={self.eval_every} out of range")
+
+
+class ContentParam(nn.Module):
+    def __init__(self, r0: torch.Tensor) -> None:
+        super().__init__()
+        d = r0.shape[0]
+        self.register_buffer("r0", r0)
+        self.skew = nn.Parameter(torch.zeros(d, d, dtype=torch.float64))
+        self.log_s = nn.Parameter(torch.zeros(d, dtype=torch.float64))
+
+    def rotation(self) -> torch.Tensor:
+        return self.r0 @ torch.matrix_exp(self.skew - self.skew.T)
+
+    def scales(self) -> torch.Tensor:
+        return torch.exp(self.log_s)
+
+
+class RopeParam(nn.Module):
+    def __init__(self, pairs: int, pair_index: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("pair_index", pair_index)
+        self.angles = nn.Parameter(torch.zeros(pairs, dtype=torch.float64))
+        self.log_scales = nn.Parameter(torch.zeros(pairs, dtype=torch.float64))
+
+    def transform(self) -> RopeTransform:
+        return RopeTransform(self.angles, self.log_scales)
+
+
+def _mean_loss(fn, batches: list[LayerBatch]) -> float:
+    with torch.no_grad():
+        return sum(float(fn(b)) for b in batches) / len(batches)
+
+
+def learn(param: nn.Module, loss_fn, train: list[LayerBatch], val: list[LayerBatch], cfg: LearnConfig):
+    """Adam on ``param``; returns (best validation loss, its step, the parameters at that step)."""
+    opt = torch.optim.Adam(param.parameters(), lr=cfg.lr)
+    best = (_mean_loss(loss_fn, val), 0, {k: v.detach().clone() for k, v in param.state_dict().items()})
+    for step in range(1, cfg.steps + 1):
+        loss = loss_fn(train[(step - 1) % len(train)])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            v = _mean_loss(loss_fn, val)
+            if v < best[0]:
+                best = (v, step, {k: t.detach().clone() for k, t in param.state_dict().items()})
+    param.load_state_dict(best[2])
+    return best[0], best[1]
+
+
+def content_transform(
+    method: str, train, val, g, fmt: PathFormat, group_size: int, cfg: LearnConfig, gen: torch.Generator
+) -> tuple[ContentTransform, dict]:
+    d = g.shape[0]
+    eye = torch.eye(d, dtype=torch.float64)
+    ones = torch.ones(d, dtype=torch.float64)
+
+    def loss_of(rot, sc):
+        return lambda b: content_loss(
+            b, g, rot() if callable(rot) else rot, sc() if callable(sc) else sc, fmt, group_size
+        )
+
+    base = _mean_loss(loss_of(eye, ones), val)
+    if method == "rtn":
+        return ContentTransform(eye, ones), {"val_before": base, "val_after": base}
+    if method == "smoothquant":
+        amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0)
+        s = smooth_scales(amax)
+        return ContentTransform(eye, s), {"val_before": base, "val_after": _mean_loss(loss_of(eye, s), val)}
+    if method == "quarot":
+        h = hadamard(d, gen)
+        return ContentTransform(h, ones), {"val_before": base, "val_after": _mean_loss(loss_of(h, ones), val)}
+    if method != "quantmla":
+        raise ValueError(f"method={method!r}; valid: {METHODS}")
+    candidates = [("identity", eye)]
+    if not d & (d - 1):
+        candidates.append(("hadamard", hadamard(d, gen)))
+    best = None
+    for name, r0 in candidates:
+        p = ContentParam(r0)
+        v, step = learn(p, loss_of(p.rotation, p.scales), train, val, cfg)
+        if best is None or v < best[0]:
+            best = (v, step, name, p.rotation().detach(), p.scales().detach())
+    v, step, init, rot, sc = best
+    # the learned rotation is orthogonal up to matrix_exp's rounding: re-orthogonalise before fusing
+    u, _, vh = torch.linalg.svd(rot)
+    return ContentTransform(u @ vh, sc), {"val_before": base, "val_after": v, "best_step": step, "init": init}
+
+
+def rope_transform(
+    method: str,
+    train,
+    val,
+    pairs: torch.Tensor,
+    fmt: PathFormat,
+    group_size: int,
+    cfg: LearnConfig,
+    gen: torch.Generator,
+) -> tuple[RopeTransform, dict]:
+    n = pairs.shape[0]
+    zeros = torch.zeros(n, dtype=torch.float64)
+
+    def loss_of(t: RopeTransform):
+        return lambda b: rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
+
+    ident = RopeTransform(zeros, zeros)
+    base = _mean_loss(loss_of(ident), val)
+    if method == "rtn":
+        return ident, {"val_before": base, "val_after": base}
+    if method == "smoothquant":
+        norms = torch.stack([b.r[:, 0].double()[..., pairs].norm(dim=-1).amax((0, 1)) for b in train]).amax(0)
+        t = RopeTransform(zeros, smooth_scales(norms).log())
+        return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
+    if method == "quarot":
+        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+        t = RopeTransform(signs * math.pi / 4, zeros)
+        return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
+    if method != "quantmla":
+        raise ValueError(f"method={method!r}; valid: {METHODS}")
+    p = RopeParam(n, pairs)
+
+    def live(b):
+        t = p.transform()
+        return rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
+
+    v, step = learn(p, live, train, val, cfg)
+    t = RopeTransform(p.angles.detach().clone(), p.log_scales.detach().clone())
+    return t, {"val_before": base, "val_after": v, "best_step": step}

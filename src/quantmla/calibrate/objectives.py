@@ -1,0 +1,98 @@
+"""Function-aligned calibration objectives with the quantiser in the loop (METHOD.md section 4).
+
+* content: attention-output reconstruction ``||Attn(q, Q(c'), k^R) - Attn(q, c, k^R)||^2`` (causal,
+  through the module's own forward), with ``c' = c diag(g)^-1 R S`` quantised and mapped back;
+* RoPE: positional score reconstruction ``sum_{t >= j} (q_t . k_j - q'_t . Q(k'_j))^2`` with
+  ``k' = k B``, ``q' = q B^-T``.
+
+The quantiser uses a straight-through estimator: the forward value is quantised, the gradient is
+the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantmla.analysis.capture import AttentionCall, capture_attention_call
+from quantmla.analysis.response import run_attention
+from quantmla.models.adapter import MLAAdapter
+from quantmla.models.latent import _STATE_ATTR, absorbed_attention
+from quantmla.quant.scheme import PathFormat
+
+
+def ste_quantize(x: torch.Tensor, fmt: PathFormat, group_size: int) -> torch.Tensor:
+    return x + (fmt.fake_quantize(x.detach(), group_size) - x).detach()
+
+
+class _QueryRecorder:
+    """Latent-attention hook that records the RoPE'd queries and attends normally."""
+
+    def __init__(self) -> None:
+        self.q_pe = None
+
+    def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask):
+        self.q_pe = q_pe.detach()
+        return absorbed_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
+
+
+@dataclass
+class LayerBatch:
+    call: AttentionCall
+    out: torch.Tensor  # clean attention-module output
+    c: torch.Tensor  # clean cached latent [B, 1, T, d_c]
+    r: torch.Tensor  # clean cached RoPE key [B, 1, T, d_r]
+    q_pe: torch.Tensor  # RoPE'd queries [B, H, T, d_r]
+
+
+@torch.no_grad()
+def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int) -> list[LayerBatch]:
+    """Capture attention module ``index``'s inputs and clean tensors for ``windows [N, T]``."""
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(windows), batch_size):
+        call = capture_attention_call(model, index, windows[i : i + batch_size].to(device))
+        state = getattr(call.module, _STATE_ATTR)
+        rec, prev = _QueryRecorder(), state.simulation
+        state.simulation = rec
+        try:
+            o, c, r = run_attention(call)
+        finally:
+            state.simulation = prev
+        out.append(LayerBatch(call, o.detach(), c.detach(), r.detach(), rec.q_pe))
+    return out
+
+
+def latent_gain(adapter: MLAAdapter, attn: nn.Module) -> torch.Tensor:
+    """``g`` with ``c = (y / rms(y)) * g`` (the norm weight times LongCat's latent scale)."""
+    return adapter.kv_norm(attn).weight.detach().double() * adapter.latent_scale(attn)
+
+
+def content_loss(
+    batch: LayerBatch, g: torch.Tensor, rotation: torch.Tensor, scales: torch.Tensor, fmt: PathFormat, group_size: int
+) -> torch.Tensor:
+    """Normalised attention-output error with the content path quantised in the transformed basis."""
+    dt = batch.c.dtype
+    g, rotation, scales = g.to(dt), rotation.to(dt), scales.to(dt)
+    c_tilde = batch.c / g
+    c_t = (c_tilde @ rotation) * scales
+    c_hat = ((ste_quantize(c_t, fmt, group_size) / scales) @ rotation.T) * g
+    out = run_attention(batch.call, delta_c=c_hat - batch.c)[0]
+    return (out - batch.out).pow(2).sum() / batch.out.pow(2).sum()
+
+
+def rope_loss(
+    batch: LayerBatch, b: torch.Tensor, b_inv: torch.Tensor, fmt: PathFormat, group_size: int
+) -> torch.Tensor:
+    """Normalised causal q.k error with the RoPE key quantised in the transformed basis."""
+    k = batch.r[:, 0]  # [B, T, d_r]
+    dt = k.dtype
+    k_hat = ste_quantize(k @ b.to(dt), fmt, group_size) @ b_inv.to(dt)
+    q = batch.q_pe  # [B, H, T, d_r]
+    t = k.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()
+    ref = q @ k.unsqueeze(1).transpose(-1, -2)
+    err = q @ (k_hat - k).unsqueeze(1).transpose(-1, -2)
+    return err.masked_fill(~causal, 0).pow(2).sum() / ref.masked_fill(~causal, 0).pow(2).sum()

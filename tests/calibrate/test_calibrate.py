@@ -1,0 +1,131 @@
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import quantmla
+from quantmla.calibrate import CalibrationConfig, calibrate, export, read_meta
+from quantmla.cli.main import app
+from quantmla.models.loading import builtin_text
+
+SMALL = dict(steps=4, num_seqs=2, val_seqs=1, seq_len=64, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    model, tok = quantmla.load()
+    ids = tok(builtin_text("test")[:2000], return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        before = model(ids).logits
+    model, report = calibrate(
+        model, tok, builtin_text("validation"), scheme="c2r4", method="quantmla", progress=False, **SMALL
+    )
+    out = export(model, tok, tmp_path_factory.mktemp("calibrated"), report)
+    return out, ids, before, report
+
+
+def test_export_round_trip_through_vanilla_transformers(calibrated):
+    out, ids, before, _ = calibrated
+    vanilla = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        after = vanilla(ids).logits
+    assert (after - before).abs().max().item() <= 1e-4  # float32: the function is unchanged
+    ref, _ = quantmla.load()
+    assert not torch.equal(
+        ref.model.layers[0].self_attn.kv_b_proj.weight, vanilla.model.layers[0].self_attn.kv_b_proj.weight
+    )
+
+
+def test_meta_and_reload(calibrated):
+    out, _, _, report = calibrated
+    meta = read_meta(out)
+    assert meta["scheme"] == "c2r4" and meta["method"] == "quantmla" and meta["steps"] == 4
+    assert meta["calibration"]["data_sha256"] == report.data_sha256 and len(meta["layers"]) == 8
+    model, _ = quantmla.load(str(out))
+    assert model.quantmla_meta["scheme"] == "c2r4"
+
+
+def test_learning_never_worse_on_held_out_data(calibrated):
+    _, _, _, report = calibrated
+    for row in report.layers:
+        for path in ("content", "rope"):
+            assert row[path]["val_after"] <= row[path]["val_before"]
+    assert any(row["content"]["val_after"] < 0.9 * row["content"]["val_before"] for row in report.layers)
+
+
+def test_corrupt_or_mismatched_meta(calibrated, tmp_path):
+    out, _, _, _ = calibrated
+    for name, text, match in [
+        ("bad", "{not json", "not valid JSON"),
+        ("missing", json.dumps({"format": 1, "scheme": "c4r4"}), "missing keys"),
+        (
+            "scheme",
+            json.dumps({"format": 1, "scheme": "c9r4", "method": "rtn", "group_size": 64, "sink": 4, "recent": 128}),
+            "unknown cache scheme",
+        ),
+        (
+            "format",
+            json.dumps({"format": 99, "scheme": "c4r4", "method": "rtn", "group_size": 64, "sink": 4, "recent": 128}),
+            "format 99",
+        ),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        for f in out.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        (d / "quantmla.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            quantmla.load(str(d))
+
+
+@pytest.mark.parametrize("method", ["rtn", "smoothquant", "quarot"])
+def test_baselines_preserve_the_function(method):
+    model, tok = quantmla.load()
+    ids = tok("Debian packages are installed with apt.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        before = model(ids).logits
+        model, report = calibrate(
+            model, tok, builtin_text("validation"), scheme="c4r4", method=method, progress=False, **SMALL
+        )
+        quantmla.disable_latent_attention(model)
+        assert (model(ids).logits - before).abs().max().item() <= 1e-4
+    if method == "rtn":
+        assert all(r["content"]["val_after"] == r["content"]["val_before"] for r in report.layers)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="method='gptq'; valid: rtn, smoothquant, quarot, quantmla"):
+        CalibrationConfig(method="gptq")
+    with pytest.raises(ValueError, match="does not quantise"):
+        CalibrationConfig(scheme="bf16")
+
+
+def test_cli_calibrate_then_eval_uses_the_exported_scheme(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        [
+            "calibrate",
+            "--out",
+            str(tmp_path / "m"),
+            "--method",
+            "quarot",
+            "--scheme",
+            "c2r4",
+            "--steps",
+            "0",
+            "--num-seqs",
+            "2",
+            "--val-seqs",
+            "1",
+            "--seq-len",
+            "64",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["eval", "ppl", str(tmp_path / "m"), "--num-seqs", "1", "--seq-len", "128", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout[res.stdout.index("{") :])
+    assert out["results"][0]["scheme"] == "c2r4" and out["results"][0]["recent"] == 128
