@@ -67,15 +67,21 @@ class CalibrationReport:
 def calibrate(model: nn.Module, tokenizer, texts, progress: bool = True, **kwargs):
     """Calibrate ``model`` in place for a quantised cache and return ``(model, report)``.
 
-    ``texts``: a string or a list of strings (joined); keyword arguments are :class:`CalibrationConfig`
-    fields (``scheme``, ``method``, ``steps``, ``num_seqs``, ...). The model keeps its full-precision
-    function exactly; only the basis in which each path is cached changes.
+    ``texts``: a string, a list of strings (joined), or token windows ``[N, T]``; keyword arguments
+    are :class:`CalibrationConfig` fields (``scheme``, ``method``, ``steps``, ``num_seqs``, ...).
+    The model keeps its full-precision function exactly; only the basis of each cached path changes.
     """
     from quantmla.eval.ppl import token_windows
 
     cfg = CalibrationConfig(**kwargs)
-    text = texts if isinstance(texts, str) else "\n\n".join(texts)
-    windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs + cfg.val_seqs)
+    if isinstance(texts, torch.Tensor):  # token windows [N, T] given directly
+        need = cfg.num_seqs + cfg.val_seqs
+        if texts.dim() != 2 or texts.shape[0] < need:
+            raise ValueError(f"token windows must be [>= {need}, seq_len], got {tuple(texts.shape)}")
+        windows = texts[:need].long()
+    else:
+        text = texts if isinstance(texts, str) else "\n\n".join(texts)
+        windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs + cfg.val_seqs)
     train_w, val_w = windows[: cfg.num_seqs], windows[cfg.num_seqs :]
     report = CalibrationReport(cfg, hashlib.sha256(windows.numpy().tobytes()).hexdigest())
     if not is_latent_attention_enabled(model):
