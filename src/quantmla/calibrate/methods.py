@@ -116,7 +116,7 @@ def content_transform(
     if method == "rtn":
         return ContentTransform(eye, ones), {"val_before": base, "val_after": base}
     if method == "smoothquant":
-        amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0)
+        amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0).cpu()
         s = smooth_scales(amax)
         return ContentTransform(eye, s), {"val_before": base, "val_after": _mean_loss(loss_of(eye, s), val)}
     if method == "quarot":
@@ -160,7 +160,11 @@ def rope_transform(
     if method == "rtn":
         return ident, {"val_before": base, "val_after": base}
     if method == "smoothquant":
-        norms = torch.stack([b.r[:, 0].double()[..., pairs].norm(dim=-1).amax((0, 1)) for b in train]).amax(0)
+        norms = (
+            torch.stack([b.r[:, 0].double()[..., pairs.to(b.r.device)].norm(dim=-1).amax((0, 1)) for b in train])
+            .amax(0)
+            .cpu()
+        )
         t = RopeTransform(zeros, smooth_scales(norms).log())
         return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
     if method == "quarot":

@@ -75,7 +75,8 @@ def content_loss(
 ) -> torch.Tensor:
     """Normalised attention-output error with the content path quantised in the transformed basis."""
     dt = batch.c.dtype
-    g, rotation, scales = g.to(dt), rotation.to(dt), scales.to(dt)
+    dev = batch.c.device
+    g, rotation, scales = g.to(dev, dt), rotation.to(dev, dt), scales.to(dev, dt)
     c_tilde = batch.c / g
     c_t = (c_tilde @ rotation) * scales
     c_hat = ((ste_quantize(c_t, fmt, group_size) / scales) @ rotation.T) * g
@@ -89,7 +90,7 @@ def rope_loss(
     """Normalised causal q.k error with the RoPE key quantised in the transformed basis."""
     k = batch.r[:, 0]  # [B, T, d_r]
     dt = k.dtype
-    k_hat = ste_quantize(k @ b.to(dt), fmt, group_size) @ b_inv.to(dt)
+    k_hat = ste_quantize(k @ b.to(k.device, dt), fmt, group_size) @ b_inv.to(k.device, dt)
     q = batch.q_pe  # [B, H, T, d_r]
     t = k.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()

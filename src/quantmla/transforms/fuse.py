@@ -68,14 +68,15 @@ def fuse_content(adapter: MLAAdapter, attn: nn.Module, t: ContentTransform) -> N
     proj = adapter.kv_a_proj(attn)
     rows = adapter.latent_rows(attn)
     w = proj.weight
-    r = t.rotation.to(torch.float64)
+    r = t.rotation.to(w.device, torch.float64)
     w[rows] = (r.T @ w[rows].double()).to(w.dtype)
     if proj.bias is not None:
         proj.bias[rows] = (proj.bias[rows].double() @ r).to(proj.bias.dtype)
     norm = adapter.kv_norm(attn)
     g = norm.weight.double().clone()
-    norm.weight.copy_(t.scales.to(norm.weight.dtype))
-    right = torch.diag(g) @ r @ torch.diag(1.0 / t.scales.double())  # [d_c, d_c]
+    sc = t.scales.to(w.device, torch.float64)
+    norm.weight.copy_(sc.to(norm.weight.dtype))
+    right = torch.diag(g) @ r @ torch.diag(1.0 / sc)  # [d_c, d_c]
     for view in (adapter.w_uk(attn), adapter.w_uv(attn)):
         view.copy_((view.double() @ right).to(view.dtype))
 
@@ -83,8 +84,9 @@ def fuse_content(adapter: MLAAdapter, attn: nn.Module, t: ContentTransform) -> N
 @torch.no_grad()
 def fuse_rope(adapter: MLAAdapter, attn: nn.Module, t: RopeTransform, config) -> None:
     pairs = adapter.rope_layout(config).weight_pairs(attn.qk_rope_head_dim).to(t.angles.device)
-    b = t.matrix(pairs).double()
-    b_it = t.matrix(pairs, inverse_transpose=True).double()
+    dev = adapter.kv_a_proj(attn).weight.device
+    b = t.matrix(pairs).to(dev, torch.float64)
+    b_it = t.matrix(pairs, inverse_transpose=True).to(dev, torch.float64)
     proj = adapter.kv_a_proj(attn)
     rows = adapter.rope_rows(attn)
     proj.weight[rows] = (b.T @ proj.weight[rows].double()).to(proj.weight.dtype)
