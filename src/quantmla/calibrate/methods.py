@@ -5,9 +5,9 @@
   (``s_j = (m / max|c_j|)^alpha``, ``m`` their geometric mean, alpha 0.5);
 * ``quarot``: a randomised Hadamard rotation of the content latent; on the RoPE path the randomised
   Hadamard that commutes with RoPE, a 2x2 Hadamard per pair (rotation by +-pi/4);
-* ``quantmla``: learned R, S (content; Cayley-free: R0 exp(A - A^T)) and phi, sigma (RoPE) against the
-  function-aligned objectives, best step on held-out data, content initialised at identity or a
-  randomised Hadamard, whichever validates better.
+* ``quantmla``: learned R, S (content; R0 exp(A - A^T)) and phi, sigma (RoPE) against the
+  function-aligned objectives, best step on held-out data; content initialised at identity or a
+  randomised Hadamard, RoPE at identity or the SmoothQuant pair scales, whichever validates better.
 """
 
 from __future__ import annotations
@@ -159,26 +159,28 @@ def rope_transform(
     base = _mean_loss(loss_of(ident), val)
     if method == "rtn":
         return ident, {"val_before": base, "val_after": base}
+    norms = torch.stack([b.r[:, 0].double()[..., pairs.to(b.r.device)].norm(dim=-1).amax((0, 1)) for b in train])
+    smooth = RopeTransform(zeros, smooth_scales(norms.amax(0).cpu()).log())
     if method == "smoothquant":
-        norms = (
-            torch.stack([b.r[:, 0].double()[..., pairs.to(b.r.device)].norm(dim=-1).amax((0, 1)) for b in train])
-            .amax(0)
-            .cpu()
-        )
-        t = RopeTransform(zeros, smooth_scales(norms).log())
-        return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
+        return smooth, {"val_before": base, "val_after": _mean_loss(loss_of(smooth), val)}
     if method == "quarot":
         signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
         t = RopeTransform(signs * math.pi / 4, zeros)
         return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
     if method != "quantmla":
         raise ValueError(f"method={method!r}; valid: {METHODS}")
-    p = RopeParam(n, pairs)
+    best = None
+    for name, start in (("identity", ident), ("smooth", smooth)):  # whichever validates better
+        p = RopeParam(n, pairs)
+        with torch.no_grad():
+            p.log_scales.copy_(start.log_scales)
 
-    def live(b):
-        t = p.transform()
-        return rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
+        def live(b, p=p):
+            t = p.transform()
+            return rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
 
-    v, step = learn(p, live, train, val, cfg)
-    t = RopeTransform(p.angles.detach().clone(), p.log_scales.detach().clone())
-    return t, {"val_before": base, "val_after": v, "best_step": step}
+        v, step = learn(p, live, train, val, cfg)
+        if best is None or v < best[0]:
+            best = (v, step, name, RopeTransform(p.angles.detach().clone(), p.log_scales.detach().clone()))
+    v, step, init, t = best
+    return t, {"val_before": base, "val_after": v, "best_step": step, "init": init}
