@@ -3,7 +3,7 @@
 16 heads, latent 512, RoPE key 64, nope/value 128, hidden 2048, no q LoRA; 128 sequences of 2048
 tokens by default. One decoder layer is built (its MLP is irrelevant here) and layer 0 is analysed.
 
-    PYTHONPATH=src python benchmarks/analysis_timing.py --num-seqs 128 --seq-len 2048
+    PYTHONPATH=src:benchmarks python benchmarks/analysis_timing.py --num-seqs 128 --seq-len 2048
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config
+from shapes import v2_lite_attention_model
 
-from quantmla import enable_latent_attention
 from quantmla.analysis import AnalysisConfig, analyze
 
 
@@ -27,14 +26,8 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    cfg = DeepseekV2Config(
-        vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_hidden_layers=1, first_k_dense_replace=1,
-        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=max(4096, args.seq_len),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(args.device).eval()
-    enable_latent_attention(model)
+    model = v2_lite_attention_model(args.seq_len, args.device)
+    cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (args.num_seqs, args.seq_len))
     acfg = AnalysisConfig(probes=args.probes, batch_size=args.batch_size)
     t0 = time.perf_counter()

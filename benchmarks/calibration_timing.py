@@ -3,7 +3,7 @@
 Paper recipe by default: 300 steps per path (the content path twice: identity and Hadamard starts),
 128 calibration + 32 held-out sequences; here of 2048 tokens. One decoder layer is built.
 
-    PYTHONPATH=src python benchmarks/calibration_timing.py
+    PYTHONPATH=src:benchmarks python benchmarks/calibration_timing.py
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import json
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config
+from shapes import v2_lite_attention_model
 
-from quantmla import enable_latent_attention
 from quantmla.calibrate import calibrate
 
 
@@ -29,14 +28,8 @@ def main() -> None:
     ap.add_argument("--scheme", default="c4r4")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    cfg = DeepseekV2Config(
-        vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_hidden_layers=1, first_k_dense_replace=1,
-        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=max(4096, args.seq_len),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(args.device).eval()
-    enable_latent_attention(model)
+    model = v2_lite_attention_model(args.seq_len, args.device)
+    cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (args.num_seqs + args.val_seqs, args.seq_len))
     t0 = time.perf_counter()
     _, rep = calibrate(
