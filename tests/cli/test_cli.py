@@ -10,12 +10,25 @@ runner = CliRunner()
 def test_demo_small():
     res = runner.invoke(
         app,
-        ["demo", "--num-seqs", "1", "--seq-len", "160", "--new-tokens", "4", "--schemes", "bf16,c4r4"],
+        [
+            "demo",
+            "--num-seqs",
+            "1",
+            "--seq-len",
+            "160",
+            "--new-tokens",
+            "4",
+            "--schemes",
+            "bf16,c4r4",
+            "--calibrate-steps",
+            "2",
+        ],
         terminal_width=200,
     )
     assert res.exit_code == 0, res.output
     assert "Perplexity on the bundled test split" in res.output
     assert "324.8" in res.output  # C4R4 at 128K, DeepSeek geometry, measured from storage
+    assert "c4r4+quantmla" in res.output  # the short calibration ran and was evaluated
 
 
 def test_demo_bad_scheme_is_a_clear_error():

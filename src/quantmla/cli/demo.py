@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +30,16 @@ class DemoConfig:
     sink: int = 4
     recent: int = 128
     seed: int = 0
+    calibrate_steps: int = 10  # a short QuantMLA calibration for the last low-bit scheme (0: skip)
+    calibrate_seqs: int = 4
 
     def __post_init__(self) -> None:
         if not self.schemes:
             raise ValueError("give at least one scheme")
         for s in self.schemes:
             parse_scheme(s)
+        if self.calibrate_steps < 0 or self.calibrate_seqs < 1:
+            raise ValueError(f"calibrate_steps={self.calibrate_steps} must be >= 0 and calibrate_seqs >= 1")
         for name in ("seq_len", "num_seqs", "prompt_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -97,19 +103,30 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
     model, tok = load(cfg.model)
     enable_latent_attention(model)
     console.print(
-        f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/], RTN (no transform), sink {cfg.sink} + "
-        f"recent {cfg.recent}, group 64"
+        f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/], sink {cfg.sink} + recent {cfg.recent}, group 64; "
+        "rows without '+quantmla' are RTN (no transform)"
     )
-    results = [
-        perplexity(
-            model,
-            tok,
-            builtin_text("test"),
-            PerplexityConfig(scheme=s, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink, recent=cfg.recent),
-            progress=True,
+
+    def ppl(m, scheme):
+        pc = PerplexityConfig(scheme=scheme, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink,
+                              recent=cfg.recent)  # fmt: skip
+        return perplexity(m, tok, builtin_text("test"), pc, progress=True)
+
+    results = [ppl(model, s) for s in cfg.schemes]
+    low_bit = [s for s in cfg.schemes if parse_scheme(s).content.kind == "int"]
+    if cfg.calibrate_steps and low_bit:
+        from quantmla.calibrate import calibrate
+
+        target = low_bit[-1]
+        console.print(
+            f"short QuantMLA calibration for {target}: {cfg.calibrate_steps} steps per path on "
+            f"{cfg.calibrate_seqs} sequences (the paper recipe, `quantmla calibrate`, uses 300 steps on 128)"
         )
-        for s in cfg.schemes
-    ]
+        calibrated, _ = calibrate(
+            copy.deepcopy(model), tok, builtin_text("validation"), scheme=target, method="quantmla",
+            steps=cfg.calibrate_steps, num_seqs=cfg.calibrate_seqs, val_seqs=2, seq_len=256, progress=True,
+        )  # fmt: skip
+        results.append(dataclasses.replace(ppl(calibrated, target), scheme=f"{target}+quantmla"))
     console.print(
         results_table(
             f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens; "

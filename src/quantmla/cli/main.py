@@ -44,6 +44,7 @@ def demo(
     new_tokens: int = typer.Option(48, min=1, help="Greedy tokens to generate."),
     sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),
     recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
+    calibrate_steps: int = typer.Option(10, min=0, help="Steps of the short QuantMLA calibration (0: skip)."),
 ) -> None:
     """Perplexity, generation and bytes/token with BF16, FP8 and low-bit latent caches side by side."""
     from quantmla.cli.demo import DemoConfig, render
@@ -57,6 +58,7 @@ def demo(
             new_tokens=new_tokens,
             sink=sink,
             recent=recent,
+            calibrate_steps=calibrate_steps,
         )
         render(cfg, Console())
     except ValueError as e:
