@@ -25,7 +25,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def results_table(title: str, results) -> Table:
     t = Table(title=title)
-    for col in ("scheme", "sink+recent", "perplexity", "vs first", "bytes/token", "vs bf16", "tokens"):
+    t.add_column("scheme", justify="right", min_width=max(len(r.scheme) for r in results), no_wrap=True)
+    for col in ("sink+recent", "perplexity", "vs first", "bytes/token", "vs bf16", "tokens"):
         t.add_column(col, justify="right")
     base = results[0].ppl
     for r in results:
