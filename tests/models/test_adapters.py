@@ -2,11 +2,11 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from quantmla.models import RopeLayout, get_adapter
 from quantmla.models.compat import cache_kwargs
-from quantmla.models.tiny import TINY_CONFIGS, tiny_model
+from quantmla.models.tiny import TINY_CONFIGS, tiny_llama, tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -92,13 +92,5 @@ def test_rope_layout_pairs():
 
 
 def test_non_mla_model_rejected():
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
     with pytest.raises(ValueError, match=r"LlamaForCausalLM \(model_type 'llama'\).*supported: deepseek_v2"):
-        get_adapter(LlamaForCausalLM(cfg))
+        get_adapter(tiny_llama())

@@ -3,11 +3,10 @@ import shutil
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import quantmla
 from quantmla.models.loading import builtin_path, builtin_text, load_text, resolve_model_path
-from quantmla.models.tiny import tiny_model
+from quantmla.models.tiny import tiny_llama, tiny_model
 
 
 def test_builtin_loads_offline():
@@ -68,15 +67,7 @@ def test_bad_paths(tmp_path):
 
 
 def test_non_mla_directory_rejected(tmp_path):
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tiny_llama().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not a supported MLA architecture"):
         quantmla.load(str(tmp_path))
 

@@ -160,6 +160,30 @@ def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, 
 
 
 @triton.jit
+def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
+    """Online-softmax state: running max, running sum and the four output-plane accumulators."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a1 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a2 = tl.zeros([BLOCK_H, PL], tl.float32)
+    a3 = tl.zeros([BLOCK_H, PL], tl.float32)
+    return m_i, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _split_pages(NPAGED, KSTART, b, split, NS, PAGE: tl.constexpr):
+    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split."""
+    n = tl.load(NPAGED + b)
+    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
+    npages = tl.cdiv(n, PAGE)
+    per = tl.cdiv(npages, NS)
+    p0 = split * per
+    p1 = tl.minimum(p0 + per, npages)
+    return n, kstart, p0, p1
+
+
+@triton.jit
 def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, PL: tl.constexpr, RPL: tl.constexpr):
     qb = Q + (b * H + heads)[:, None] * DC + tl.arange(0, PL)[None, :]
     msk = hmask[:, None]
@@ -213,19 +237,9 @@ def _paged_kernel(
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a1 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a2 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a3 = tl.zeros([BLOCK_H, PL], tl.float32)
+    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
 
-    n = tl.load(NPAGED + b)
-    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
-    npages = tl.cdiv(n, PAGE)
-    per = tl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = tl.minimum(p0 + per, npages)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -309,12 +323,7 @@ def _window_kernel(
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a1 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a2 = tl.zeros([BLOCK_H, PL], tl.float32)
-    a3 = tl.zeros([BLOCK_H, PL], tl.float32)
+    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
     hl = tl.load(HPLEN + b)
     wskip = tl.load(WSKIP + b)  # window rows before this index are masked (left padding in the sinks)
     for t0 in range(0, hl, BLOCK_T):

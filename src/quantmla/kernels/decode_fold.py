@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from quantmla.kernels.decode import _split_pages
+
 __all__ = ["fold_supported", "launch_fold"]
 
 
@@ -100,12 +102,7 @@ def _paged_fold_kernel(
     a7 = tl.zeros([BLOCK_H, 64], tl.float32)
     macc = tl.zeros([BLOCK_H, 16], tl.float32)
 
-    n = tl.load(NPAGED + b)
-    kstart = tl.load(KSTART + b)
-    npages = tl.cdiv(n, PAGE)
-    per = tl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = tl.minimum(p0 + per, npages)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):

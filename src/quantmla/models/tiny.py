@@ -12,6 +12,8 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeLiteConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     LongcatFlashConfig,
     PreTrainedModel,
 )
@@ -110,3 +112,10 @@ def tiny_model(
             if isinstance(module, torch.nn.Linear):
                 module.weight.normal_(0.0, module.in_features**-0.5)
     return model.to(dtype).eval()
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """A tiny non-MLA model (Llama), for the unsupported-architecture errors."""
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(cfg)
