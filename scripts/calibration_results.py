@@ -1,6 +1,8 @@
 """Issue-5 results on the bundled model: methods x schemes x sink/recent, the ablation, per-layer errors.
 
-python scripts/calibration_results.py --out out/calib --steps 60 --num-seqs 16 --seq-len 256 --eval-seqs 64
+python scripts/calibration_results.py --out out/calib            # paper recipe, everything, one process
+python scripts/calibration_results.py --out out/p1 --runs bf16,rtn/c4r4  # a subset (run parts side by side)
+python scripts/calibration_results.py --out out/calib --merge out/p1 out/p2 ...  # one table and plot
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from quantmla.calibrate import calibrate
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.models.loading import builtin_text
 
+ALL_RUNS = (
+    "bf16",
+    *(f"{m}/{s}" for s in ("c4r4", "c2r4") for m in ("rtn", "smoothquant", "quarot", "quantmla")),
+    "quantmla/c4r4/content",  # ablation: + content transform only
+)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -28,8 +36,16 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-seqs", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma list of: {', '.join(ALL_RUNS)}")
+    ap.add_argument("--merge", type=Path, nargs="+", help="merge the results.json of these output folders")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        return merge(args.merge, args.out)
+    wanted = args.runs.split(",")
+    bad = [r for r in wanted if r not in ALL_RUNS]
+    if bad:
+        raise SystemExit(f"--runs: unknown {bad}; valid: {', '.join(ALL_RUNS)}")
     base, tok = quantmla.load(device=args.device)
     quantmla.enable_latent_attention(base)
     calib_text, test_text = builtin_text("validation"), builtin_text("test")
@@ -41,10 +57,13 @@ def main() -> None:
         )
         return perplexity(model, tok, test_text, cfg, progress=False).ppl
 
-    results.append({"method": "bf16", "scheme": "bf16", "windows": "4+128", "ppl": ppl(base, "bf16", 4, 128)})
-    runs = [(m, s, ("content", "rope")) for s in ("c4r4", "c2r4") for m in ("rtn", "smoothquant", "quarot", "quantmla")]
-    runs.append(("quantmla", "c4r4", ("content",)))  # ablation: + content transform only
-    for method, scheme, paths in runs:
+    if "bf16" in wanted:
+        results.append({"method": "bf16", "scheme": "bf16", "windows": "4+128", "ppl": ppl(base, "bf16", 4, 128)})
+    for tag in wanted:
+        if tag == "bf16":
+            continue
+        method, scheme, *only = tag.split("/")
+        paths = tuple(only) if only else ("content", "rope")
         t0 = time.perf_counter()
         model, rep = calibrate(
             copy.deepcopy(base),
@@ -59,7 +78,6 @@ def main() -> None:
             seq_len=args.seq_len,
             paths=paths,
         )
-        tag = f"{method}/{scheme}" + ("" if len(paths) == 2 else "/" + "+".join(paths))
         times[tag] = time.perf_counter() - t0
         layers[tag] = rep.layers
         for sink, recent in ((4, 128), (0, 0)):
@@ -72,17 +90,39 @@ def main() -> None:
                 }
             )
             print(json.dumps(results[-1]), flush=True)
-    (args.out / "results.json").write_text(
-        json.dumps(
-            {
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "results": results,
-                "layers": layers,
-                "calibration_seconds": times,
-            },
-            indent=1,
-        )
-    )
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
+    data["calibration_seconds"] = times
+    (args.out / "results.json").write_text(json.dumps(data, indent=1))
+    plot(layers, args.out / "layer_errors.png")
+
+
+def merge(parts: list[Path], out: Path) -> None:
+    merged = {"args": None, "results": [], "layers": {}, "calibration_seconds": {}}
+    for part in parts:
+        d = json.loads((part / "results.json").read_text())
+        merged["args"] = merged["args"] or d["args"]
+        merged["results"] += d["results"]
+        merged["layers"].update(d["layers"])
+        merged["calibration_seconds"].update(d["calibration_seconds"])
+    order = {t: i for i, t in enumerate(ALL_RUNS)}
+    merged["results"].sort(key=lambda r: (order[r["method"]], r["windows"] != "4+128"))
+    (out / "results.json").write_text(json.dumps(merged, indent=1))
+    plot(merged["layers"], out / "layer_errors.png")
+    print("| method | scheme | sink 4 + recent 128 | no windows | calibration s |")
+    print("|---|---|---|---|---|")
+    for tag in ALL_RUNS:
+        rows = {r["windows"]: r["ppl"] for r in merged["results"] if r["method"] == tag}
+        if rows:
+            secs = merged["calibration_seconds"].get(tag)
+            cells = [f"{rows[w]:.3f}" if w in rows else "" for w in ("4+128", "0+0")]
+            print(
+                f"| {tag} | {tag.split('/')[-1] if tag == 'bf16' else tag.split('/')[1]} | "
+                + " | ".join(cells)
+                + f" | {'' if secs is None else f'{secs:.0f}'} |"
+            )
+
+
+def plot(layers: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +139,7 @@ def main() -> None:
     axes[0].set_ylabel("normalised error (held-out)")
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.out / "layer_errors.png", dpi=110, metadata={"Software": None})
+    fig.savefig(path, dpi=110, metadata={"Software": None})
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@
 * ``quarot``: a randomised Hadamard rotation of the content latent; on the RoPE path the randomised
   Hadamard that commutes with RoPE, a 2x2 Hadamard per pair (rotation by +-pi/4);
 * ``quantmla``: learned R, S (content; R0 exp(A - A^T)) and phi, sigma (RoPE) against the
-  function-aligned objectives, best step on held-out data; content initialised at identity or a
-  randomised Hadamard, RoPE at identity or the SmoothQuant pair scales, whichever validates better.
+  function-aligned objectives, best step on held-out data. Every baseline's transform is a start
+  point (content: identity, the SmoothQuant scales, a randomised Hadamard; RoPE: identity, the
+  SmoothQuant pair scales, the QuaRot pair rotations); each is trained and the one that validates
+  best is kept. Step 0 counts, so on held-out data QuantMLA's layer objective is never worse than a
+  baseline's.
 """
 
 from __future__ import annotations
@@ -53,12 +56,13 @@ class LearnConfig:
 
 
 class ContentParam(nn.Module):
-    def __init__(self, r0: torch.Tensor) -> None:
+    def __init__(self, r0: torch.Tensor, s0: torch.Tensor | None = None) -> None:
         super().__init__()
         d = r0.shape[0]
         self.register_buffer("r0", r0)
         self.skew = nn.Parameter(torch.zeros(d, d, dtype=torch.float64))
-        self.log_s = nn.Parameter(torch.zeros(d, dtype=torch.float64))
+        log_s = torch.zeros(d, dtype=torch.float64) if s0 is None else s0.double().log()
+        self.log_s = nn.Parameter(log_s)
 
     def rotation(self) -> torch.Tensor:
         return self.r0 @ torch.matrix_exp(self.skew - self.skew.T)
@@ -115,21 +119,24 @@ def content_transform(
     base = _mean_loss(loss_of(eye, ones), val)
     if method == "rtn":
         return ContentTransform(eye, ones), {"val_before": base, "val_after": base}
+    amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0).cpu()
+    smooth = smooth_scales(amax)
     if method == "smoothquant":
-        amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0).cpu()
-        s = smooth_scales(amax)
-        return ContentTransform(eye, s), {"val_before": base, "val_after": _mean_loss(loss_of(eye, s), val)}
+        return ContentTransform(eye, smooth), {"val_before": base, "val_after": _mean_loss(loss_of(eye, smooth), val)}
+    # one draw of the randomised Hadamard, shared by QuaRot and QuantMLA's Hadamard start point
+    h = hadamard(d, gen) if not d & (d - 1) else None
     if method == "quarot":
-        h = hadamard(d, gen)
+        if h is None:
+            raise ValueError(f"quarot needs a power-of-two latent dimension, got {d}")
         return ContentTransform(h, ones), {"val_before": base, "val_after": _mean_loss(loss_of(h, ones), val)}
     if method != "quantmla":
         raise ValueError(f"method={method!r}; valid: {METHODS}")
-    candidates = [("identity", eye)]
-    if not d & (d - 1):
-        candidates.append(("hadamard", hadamard(d, gen)))
+    candidates = [("identity", eye, None), ("smooth", eye, smooth)]
+    if h is not None:
+        candidates.append(("hadamard", h, None))
     best = None
-    for name, r0 in candidates:
-        p = ContentParam(r0)
+    for name, r0, s0 in candidates:
+        p = ContentParam(r0, s0)
         v, step = learn(p, loss_of(p.rotation, p.scales), train, val, cfg)
         if best is None or v < best[0]:
             best = (v, step, name, p.rotation().detach(), p.scales().detach())
@@ -163,16 +170,17 @@ def rope_transform(
     smooth = RopeTransform(zeros, smooth_scales(norms.amax(0).cpu()).log())
     if method == "smoothquant":
         return smooth, {"val_before": base, "val_after": _mean_loss(loss_of(smooth), val)}
+    signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+    quarot = RopeTransform(signs * math.pi / 4, zeros)
     if method == "quarot":
-        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
-        t = RopeTransform(signs * math.pi / 4, zeros)
-        return t, {"val_before": base, "val_after": _mean_loss(loss_of(t), val)}
+        return quarot, {"val_before": base, "val_after": _mean_loss(loss_of(quarot), val)}
     if method != "quantmla":
         raise ValueError(f"method={method!r}; valid: {METHODS}")
     best = None
-    for name, start in (("identity", ident), ("smooth", smooth)):  # whichever validates better
+    for name, start in (("identity", ident), ("smooth", smooth), ("quarot", quarot)):  # best on held-out data
         p = RopeParam(n, pairs)
         with torch.no_grad():
+            p.angles.copy_(start.angles)
             p.log_scales.copy_(start.log_scales)
 
         def live(b, p=p):
