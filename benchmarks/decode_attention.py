@@ -68,13 +68,13 @@ def torch_reference(q_lat, q_pe, store, bt, n_paged, scale):
     B = q_lat.shape[0]
     pages = bt.long()
     if lay.quantized:
-        from quantmla.kernels.layout import unpack_planar
+        from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES, unpack_words
 
-        codes = unpack_planar(store.content[pages], lay.content_bits).to(torch.bfloat16)  # [B, P, T, DC]
+        codes = unpack_words(store.content[pages], lay.content_bits, CONTENT_PLANES).to(torch.bfloat16)  # [B,P,T,DC]
         sc = store.c_scale[pages].repeat_interleave(64, -1).to(torch.bfloat16)
         mn = store.c_min[pages].repeat_interleave(64, -1).to(torch.bfloat16)
         c = (codes * sc + mn).flatten(1, 2)
-        rc = unpack_planar(store.rope[pages], lay.rope_bits).to(torch.bfloat16)
+        rc = unpack_words(store.rope[pages], lay.rope_bits, ROPE_PLANES).to(torch.bfloat16)
         r = (rc * store.r_scale[pages].to(torch.bfloat16) + store.r_min[pages].to(torch.bfloat16)).flatten(1, 2)
     else:
         kv = store.content[pages].flatten(1, 2)
@@ -117,7 +117,7 @@ def splits_for(mul: float, B: int, h: int) -> int:
     return max(1, math.ceil(mul * 132 / (B * math.ceil(h / 64))))
 
 
-def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), stages=(2,), names=("select",)) -> dict:
+def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), stages=(2,), muls=(2, 4)) -> dict:
     """Time launch variants at B=32, 64K for each (heads, scheme); returns the best per (heads, scheme)."""
     from quantmla.kernels.decode import mla_decode
 
@@ -125,40 +125,23 @@ def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), st
     best = {}
     for h in heads:
         for scheme in schemes:
-            quant = scheme != "bf16"
-            known = {"select": dict(select_scales=True), "two_pass": dict(select_scales=True, two_pass=True),
-                     "fold": dict(fold=True)}  # fmt: skip
-            variants = [known[n] for n in names]
-            variants = variants if quant else [dict()]
             warps = (4, 8) if h <= 64 else (8,)
-            grid = [
-                dict(v, block_t=bt, num_warps=w, num_stages=st)
-                for v in variants
-                for bt in (32, 64)
-                for w in warps
-                for st in stages
-            ]
+            grid = [dict(block_t=64, num_warps=w, num_stages=st) for w in warps for st in stages]
             store, bt_, n_paged = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
             nbytes = B * L * store.layout.bytes_per_token()
             res = []
             for kw in grid:
-                for mul in (2, 4):
+                for mul in muls:
                     kw2 = dict(kw, num_splits=splits_for(mul, B, h))
                     try:
                         args = (q, qr, store, bt_, n_paged, 0.07)
                         us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
                         k = mla_decode.last_kernel
                         smem = getattr(getattr(k, "metadata", None), "shared", None)
-                        res.append(
-                            (
-                                us,
-                                dict(kw, split_mul=mul),
-                                getattr(k, "n_regs", None),
-                                (getattr(k, "n_spills", None), smem),
-                            )
-                        )
+                        res.append((us, dict(kw, split_mul=mul), getattr(k, "n_regs", None),
+                                    (getattr(k, "n_spills", None), smem)))  # fmt: skip
                     except Exception as e:  # noqa: BLE001  (a config that does not compile is skipped, and said)
                         print(f"  skip {kw2}: {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
             res.sort(key=lambda x: x[0])
@@ -188,7 +171,7 @@ def main() -> None:
     ap.add_argument("--sweep-heads", default="16,128")
     ap.add_argument("--sweep-schemes", default=",".join(SCHEMES))
     ap.add_argument("--sweep-stages", default="2")
-    ap.add_argument("--sweep-variants", default="select,two_pass,fold", help="low-bit variants to time")
+    ap.add_argument("--sweep-splits", default="2,4", help="splits per SM (x 132 / (B * head groups)) to time")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
@@ -199,7 +182,7 @@ def main() -> None:
     if args.sweep:
         tuned = sweep(
             gen, args.sweep_json, tuple(map(int, args.sweep_heads.split(","))), tuple(args.sweep_schemes.split(",")),
-            tuple(map(int, args.sweep_stages.split(","))), tuple(args.sweep_variants.split(",")),
+            tuple(map(int, args.sweep_stages.split(","))), tuple(map(float, args.sweep_splits.split(","))),
         )  # fmt: skip
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {bw:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)

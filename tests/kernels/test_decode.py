@@ -147,30 +147,13 @@ def test_launcher_rejects_bad_inputs():
         mla_decode(q, qr, store, bt.long(), n_paged, 0.1)
 
 
-@pytest.mark.parametrize("bits", [(4, 4), (2, 4)], ids=["c4r4", "c2r4"])
-@pytest.mark.parametrize("H", [1, 16, 20])
-def test_folded_scale_kernel(bits, H):
-    case = make_case(*bits, [70, 131, 5], [4, 0, 9], H, dc=512, page=64, seed=7)
-    q, qr, store, bt, n_paged, window, wl = case
-    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, num_splits=2, out_dtype=torch.float32, fold=True)
-    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl)
-    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.07, window, wl))
-
-
-def test_folded_scale_kernel_rejects_other_geometry():
-    q, qr, store, bt, n_paged, _, _ = make_case(4, 4, [10], [0], 4, dc=128)
-    with pytest.raises(ValueError, match="d_c=512"):
-        mla_decode(q, qr, store, bt, n_paged, 0.1, fold=True)
-
-
-@pytest.mark.parametrize("fold", [False, True])
-def test_left_padding_masks(fold):
+def test_left_padding_masks():
     case = make_case(4, 4, [130, 70], [6, 6], 16, dc=512, page=64, seed=3)
     q, qr, store, bt, n_paged, window, wl = case
     ps = torch.tensor([0, 9], dtype=torch.int32, device=q.device)
     ws = torch.tensor([4, 2], dtype=torch.int32, device=q.device)
     kw = dict(paged_start=ps, window_skip=ws)
-    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, out_dtype=torch.float32, fold=fold, **kw)
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.07, window, wl, out_dtype=torch.float32, **kw)
     ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl, **kw)
     full_o, _ = mla_decode_reference(q, qr, store, bt, n_paged, 0.07, window, wl)
     assert (ref_o - full_o).abs().max() > 1e-3  # the masks matter

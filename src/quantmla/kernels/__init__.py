@@ -1,6 +1,6 @@
 """Decode kernels. The Triton kernels import lazily: ``triton`` is an optional dependency on CPU."""
 
-from quantmla.kernels.layout import PagedLatentStore, PagedLayout, pack_planar, unpack_planar
+from quantmla.kernels.layout import PagedLatentStore, PagedLayout, pack_words, unpack_words
 from quantmla.kernels.reference import mla_decode_reference
 
-__all__ = ["PagedLatentStore", "PagedLayout", "mla_decode_reference", "pack_planar", "unpack_planar"]
+__all__ = ["PagedLatentStore", "PagedLayout", "mla_decode_reference", "pack_words", "unpack_words"]

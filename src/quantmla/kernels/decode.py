@@ -11,9 +11,8 @@ and dequantised once per head group (once per sequence for h <= 64). The unquant
 sequence (sinks and the recent window, in a small BF16 buffer) form one more split. A combine pass
 merges the splits by log-sum-exp.
 
-The content latent is handled as four planes of ``d_c / 4`` channels and the RoPE key as two planes
-of ``d_r / 2``; with the plane-major packing of :mod:`quantmla.kernels.layout` each plane is one
-shift-and-mask of a byte column, then one fused multiply-add with its group's scale and minimum.
+This module holds the BF16 paged kernel, the window (sinks + recent) kernel, the combine pass and
+the launcher :func:`mla_decode`; the fused low-bit kernel is :mod:`quantmla.kernels.decode_lowbit`.
 """
 
 from __future__ import annotations
@@ -26,82 +25,6 @@ import triton
 import triton.language as tl
 
 from quantmla.kernels.layout import PagedLatentStore
-
-
-@triton.jit
-def _scale_plane(
-    x,
-    srow,
-    mrow,
-    tmask,
-    k: tl.constexpr,
-    PL: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    DT: tl.constexpr,
-    SEL: tl.constexpr = True,
-):
-    """Dequantise one plane ``x [BLOCK_T, PL]`` (codes as float32) of channels ``k*PL ...``."""
-    if PL == 2 * G and SEL:  # two groups in the plane: select the scale per column, no reshape
-        s0 = tl.load(srow + 2 * k, mask=tmask, other=0.0).to(tl.float32)
-        s1 = tl.load(srow + 2 * k + 1, mask=tmask, other=0.0).to(tl.float32)
-        m0 = tl.load(mrow + 2 * k, mask=tmask, other=0.0).to(tl.float32)
-        m1 = tl.load(mrow + 2 * k + 1, mask=tmask, other=0.0).to(tl.float32)
-        first = (tl.arange(0, PL) < G)[None, :]
-        y = x * tl.where(first, s0[:, None], s1[:, None]) + tl.where(first, m0[:, None], m1[:, None])
-    elif PL >= G:
-        GP: tl.constexpr = PL // G
-        gidx = k * GP + tl.arange(0, GP)
-        s = tl.load(srow[:, None] + gidx[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        m = tl.load(mrow[:, None] + gidx[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        y = tl.reshape(x, (BLOCK_T, GP, G)) * s[:, :, None] + m[:, :, None]
-        y = tl.reshape(y, (BLOCK_T, PL))
-    else:
-        gi: tl.constexpr = (k * PL) // G
-        s = tl.load(srow + gi, mask=tmask, other=0.0).to(tl.float32)
-        m = tl.load(mrow + gi, mask=tmask, other=0.0).to(tl.float32)
-        y = x * s[:, None] + m[:, None]
-    return y.to(DT)
-
-
-@triton.jit
-def _content_plane(
-    CC,
-    CS,
-    CM,
-    tok,
-    tmask,
-    k: tl.constexpr,
-    DC: tl.constexpr,
-    G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    CBITS: tl.constexpr,
-    DT: tl.constexpr,
-    SEL: tl.constexpr,
-):
-    """Plane ``k`` (channels ``k*DC/4 ...``) of a quantised content tile, dequantised."""
-    PL: tl.constexpr = DC // 4
-    NG: tl.constexpr = DC // G
-    cp = tl.arange(0, PL)[None, :]
-    msk = tmask[:, None]
-    if CBITS == 4:  # byte j: channel j (low nibble), channel j + DC/2 (high nibble)
-        byt = tl.load(CC + tok[:, None] * (DC // 2) + (k % 2) * PL + cp, mask=msk, other=0)
-        x = (byt >> (4 * (k // 2))) & 15
-    else:  # 2 bits: byte j holds channels j, j + DC/4, j + DC/2, j + 3DC/4
-        byt = tl.load(CC + tok[:, None] * (DC // 4) + cp, mask=msk, other=0)
-        x = (byt >> (2 * k)) & 3
-    return _scale_plane(x.to(tl.float32), CS + tok * NG, CM + tok * NG, tmask, k, PL, G, BLOCK_T, DT, SEL)
-
-
-@triton.jit
-def _rope_plane(
-    RC, RS, RM, tok, tmask, k: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr
-):
-    RPL: tl.constexpr = DR // 2
-    NGR: tl.constexpr = DR // G
-    rbyt = tl.load(RC + tok[:, None] * RPL + tl.arange(0, RPL)[None, :], mask=tmask[:, None], other=0)
-    x = ((rbyt >> (4 * k)) & 15).to(tl.float32)
-    return _scale_plane(x, RS + tok * NGR, RM + tok * NGR, tmask, k, RPL, G, BLOCK_T, DT, False)
 
 
 @triton.jit
@@ -199,36 +122,11 @@ def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, P
 
 @triton.jit
 def _paged_kernel(
-    Q,
-    QR,
-    CC,
-    CS,
-    CM,
-    RC,
-    RS,
-    RM,
-    BT,
-    NPAGED,
-    KSTART,
-    OP,
-    LP,
-    H,
-    MAXP,
-    NS,
-    NSP,
-    scale_log2,
-    DC: tl.constexpr,
-    DR: tl.constexpr,
-    G: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    CBITS: tl.constexpr,
-    RBITS: tl.constexpr,
+    Q, QR, KV, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     DT: tl.constexpr,
-    SEL: tl.constexpr = True,
-    TWO_PASS: tl.constexpr = False,
-):
+):  # fmt: skip
+    """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout)."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)
@@ -238,7 +136,6 @@ def _paged_kernel(
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
-
     n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
@@ -246,53 +143,10 @@ def _paged_kernel(
             rows = t0 + tl.arange(0, BLOCK_T)
             tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
             tok = page * PAGE + rows  # physical token index
-            if CBITS == 16:
-                c0, c1, c2, c3, r0, r1 = _load_bf16_rows(CC + tok * (DC + DR), tmask, DC, PL, RPL)
-            elif TWO_PASS:  # dequantise one plane at a time for the scores, again for P @ V
-                qk = tl.dot(
-                    q0.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL))
-                )
-                qk += tl.dot(
-                    q1.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL))
-                )
-                qk += tl.dot(
-                    q2.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL))
-                )
-                qk += tl.dot(
-                    q3.to(DT), tl.trans(_content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL))
-                )
-                qk += tl.dot(qr0.to(DT), tl.trans(_rope_plane(RC, RS, RM, tok, tmask, 0, DR, G, BLOCK_T, DT)))
-                qk += tl.dot(qr1.to(DT), tl.trans(_rope_plane(RC, RS, RM, tok, tmask, 1, DR, G, BLOCK_T, DT)))
-                qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                alpha = tl.exp2(m_i - m_new)
-                pr = tl.exp2(qk - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(pr, 1)
-                pb = pr.to(DT)
-                a0 = a0 * alpha[:, None] + tl.dot(
-                    pb, _content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL)
-                )
-                a1 = a1 * alpha[:, None] + tl.dot(
-                    pb, _content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL)
-                )
-                a2 = a2 * alpha[:, None] + tl.dot(
-                    pb, _content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL)
-                )
-                a3 = a3 * alpha[:, None] + tl.dot(
-                    pb, _content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL)
-                )
-                m_i = m_new
-            else:
-                c0 = _content_plane(CC, CS, CM, tok, tmask, 0, DC, G, BLOCK_T, CBITS, DT, SEL)
-                c1 = _content_plane(CC, CS, CM, tok, tmask, 1, DC, G, BLOCK_T, CBITS, DT, SEL)
-                c2 = _content_plane(CC, CS, CM, tok, tmask, 2, DC, G, BLOCK_T, CBITS, DT, SEL)
-                c3 = _content_plane(CC, CS, CM, tok, tmask, 3, DC, G, BLOCK_T, CBITS, DT, SEL)
-                r0 = _rope_plane(RC, RS, RM, tok, tmask, 0, DR, G, BLOCK_T, DT)
-                r1 = _rope_plane(RC, RS, RM, tok, tmask, 1, DR, G, BLOCK_T, DT)
-            if CBITS == 16 or not TWO_PASS:
-                m_i, l_i, a0, a1, a2, a3 = _attend(
-                    q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
-                )
+            c0, c1, c2, c3, r0, r1 = _load_bf16_rows(KV + tok * (DC + DR), tmask, DC, PL, RPL)
+            m_i, l_i, a0, a1, a2, a3 = _attend(
+                q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
+            )
     _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL)
 
 
@@ -371,13 +225,7 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
 def default_launch(block_h: int, content_bits: int) -> dict:
     """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep)."""
     quant = content_bits != 16
-    return dict(
-        block_t=64,
-        num_warps=4 if (not quant and block_h <= 16) or (content_bits == 2 and block_h <= 16) else 8,
-        num_stages=2,
-        select_scales=True,
-        two_pass=content_bits == 2,
-    )
+    return dict(block_t=64, num_warps=8 if quant or block_h > 16 else 4, num_stages=2)
 
 
 def mla_decode(
@@ -395,9 +243,6 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    select_scales: bool | None = None,
-    two_pass: bool | None = None,
-    fold: bool = False,
     paged_start: torch.Tensor | None = None,
     window_skip: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -410,12 +255,14 @@ def mla_decode(
             (sinks and recent window) and their count per sequence, joined into the same softmax.
         paged_start / window_skip: ``[B]`` int32; paged tokens before ``paged_start`` and window rows
             before ``window_skip`` are masked out (left padding). Default: nothing masked.
-        num_splits, block_t, block_h, num_warps, num_stages, select_scales, two_pass: launch
-            parameters; ``None`` takes :func:`default_num_splits` / :func:`default_launch` (tuned on H200).
-        fold: use the folded-scale kernel (:mod:`quantmla.kernels.decode_fold`; slower on H200 today).
+        num_splits, block_t, block_h, num_warps, num_stages: launch parameters; ``None`` takes
+            :func:`default_num_splits` / :func:`default_launch` (tuned on H200).
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
+
+    The low-bit kernel (:mod:`quantmla.kernels.decode_lowbit`) computes in fp16 (queries, dequantised
+    cache, probabilities) with fp32 accumulation; the BF16 kernel in bf16.
     """
     lay = store.layout
     B, H, DC = q_lat.shape
@@ -447,66 +294,31 @@ def mla_decode(
     tuned = default_launch(block_h, lay.content_bits)
     block_t = min(block_t or tuned["block_t"], lay.page_size)
     num_warps = num_warps or tuned["num_warps"]
-    select_scales = tuned["select_scales"] if select_scales is None else select_scales
-    two_pass = tuned["two_pass"] if two_pass is None else two_pass
-    stages = {"num_stages": num_stages or tuned["num_stages"]}
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        stages = {}
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    stages = {} if interpret else {"num_stages": num_stages or tuned["num_stages"]}
     nsp = ns + (window is not None)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
-    dot_dtype = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+    # the CPU interpreter's bf16/fp16 dots are not numeric: it computes the dots in fp32
+    bf16_dt = tl.float32 if interpret else tl.bfloat16
+    common = (block_table, n_paged, paged_start, op, lp, H, maxp, ns, nsp, scale_log2)
     if lay.quantized:
-        cc, cs, cm, rc, rs, rm = store.content, store.c_scale, store.c_min, store.rope, store.r_scale, store.r_min
-    else:
-        cc = store.content
-        cs = cm = rc = rs = rm = cc  # unused by the BF16 path
-    if fold:
-        from quantmla.kernels.decode_fold import fold_supported, launch_fold
+        from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
-        if not fold_supported(DC, DR, lay.group_size, lay.content_bits, lay.rope_bits):
-            raise ValueError("the folded-scale kernel needs d_c=512, d_r=64, group 64, INT4/INT2 content, INT4 RoPE")
-        kernel = launch_fold(
-            (B, ns, hg), q_lat, q_pe, store.content, store.c_scale, store.c_min, store.rope, store.r_scale,
-            store.r_min, block_table, n_paged, paged_start, op, lp, H, maxp, ns, nsp, scale_log2,
-            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, CBITS=lay.content_bits,
-            DT=dot_dtype, num_warps=num_warps, **stages,
+        cw, csm, rw, rsm = store.kernel_views()
+        kernel = _lowbit_kernel[(B, ns, hg)](
+            q_lat, q_pe, cw, csm, rw, rsm, *common,
+            DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
+            CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16,
+            num_warps=num_warps, **stages,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[(B, ns, hg)](
-            q_lat,
-            q_pe,
-            cc,
-            cs,
-            cm,
-            rc,
-            rs,
-            rm,
-            block_table,
-            n_paged,
-            paged_start,
-            op,
-            lp,
-            H,
-            maxp,
-            ns,
-            nsp,
-            scale_log2,
-            DC=DC,
-            DR=DR,
-            G=lay.group_size,
-            PAGE=lay.page_size,
-            BLOCK_T=block_t,
-            BLOCK_H=block_h,
-            CBITS=lay.content_bits,
-            RBITS=lay.rope_bits,
-            DT=dot_dtype,
-            SEL=select_scales,
-            TWO_PASS=two_pass,
-            num_warps=num_warps,
-            **stages,
-        )
+            q_lat, q_pe, store.content, *common,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
+            num_warps=num_warps, **stages,
+        )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
     if window is not None:
         window = window.contiguous()
@@ -526,7 +338,7 @@ def mla_decode(
             DR=DR,
             BLOCK_T=min(64, block_t),
             BLOCK_H=block_h,
-            DT=dot_dtype,
+            DT=bf16_dt,
             num_warps=num_warps,
             **stages,
         )

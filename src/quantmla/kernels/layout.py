@@ -4,13 +4,17 @@ Pages hold ``page_size`` tokens of one sequence; a block table maps each sequenc
 to physical ones. Per page and token the fields are stored as separate arrays (struct of arrays):
 
 * content codes ``[pages, page_size, d_c * bits / 8]`` uint8 (or the BF16 latent itself),
-* content scale and minimum ``[pages, page_size, d_c / group]`` fp16,
-* RoPE codes ``[pages, page_size, d_r * bits / 8]`` uint8 (or BF16), scale and minimum fp16.
+* content scale and minimum ``[pages, page_size, d_c / group, 2]`` fp16, interleaved, so the
+  kernel reads one 32-bit word per token and group (``c_scale`` / ``c_min`` are views of it),
+* RoPE codes ``[pages, page_size, d_r * bits / 8]`` uint8 (or BF16), scale and minimum likewise.
 
-Codes are packed *plane-major*: with ``per = 8 // bits`` codes in a byte and ``P = d / per``,
-byte ``j`` holds the codes of channels ``j, j + P, ..., j + (per - 1) P`` at bit offsets
-``0, bits, ...``. The kernel then unpacks a byte column with one shift and mask per plane, and
-each plane is a contiguous run of channels, so no shuffling is needed.
+Codes are packed *group-planar* (:func:`pack_words`): a path of ``d`` channels is cut into
+``planes`` runs of ``d / planes`` channels (8 for the content latent, 4 for the RoPE key), each
+inside one quantisation group; a little-endian word of ``planes * bits`` bits holds one code of
+every run (code ``k`` of word ``e`` is channel ``k * d / planes + e``, at bit ``k * bits``). The
+kernel turns a pair of words into one fp16 pair per run with a few bit operations
+(:mod:`quantmla.kernels.unpack`), and each run is a contiguous channel slice with one scale and
+minimum per token.
 """
 
 from __future__ import annotations
@@ -25,26 +29,36 @@ KERNEL_CONTENT_BITS = (16, 4, 2)
 KERNEL_ROPE_BITS = (16, 4)
 
 
-def pack_planar(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Plane-major packing of ``codes`` (last dim ``d``, a multiple of ``8 // bits``)."""
-    if bits not in (2, 4, 8):
-        raise ValueError(f"planar packing supports bits in (2, 4, 8), got {bits}")
-    per = 8 // bits
+CONTENT_PLANES = 8
+ROPE_PLANES = 4
+
+
+def pack_words(codes: torch.Tensor, bits: int, planes: int) -> torch.Tensor:
+    """Group-planar packing of ``codes`` (last dim ``d``) into little-endian bytes
+    ``[..., d * bits / 8]``: word ``e`` (``planes * bits`` bits) holds channel ``k * d / planes + e``
+    at bit ``k * bits``, for ``k < planes``."""
+    word_bits = planes * bits
+    if bits not in (2, 4) or word_bits not in (16, 32):
+        raise ValueError(f"bits={bits}, planes={planes}: words must be 16 or 32 bits of 2- or 4-bit codes")
     d = codes.shape[-1]
-    if d % per:
-        raise ValueError(f"{d} channels do not split into {per} planes")
-    planes = codes.to(torch.uint8).reshape(*codes.shape[:-1], per, d // per)
-    out = planes[..., 0, :].clone()
-    for k in range(1, per):
-        out |= planes[..., k, :] << (bits * k)
-    return out
+    if d % planes:
+        raise ValueError(f"{d} channels do not split into {planes} planes")
+    runs = codes.to(torch.int64).reshape(*codes.shape[:-1], planes, d // planes)
+    words = torch.zeros_like(runs[..., 0, :])
+    for k in range(planes):
+        words |= runs[..., k, :] << (bits * k)
+    nbytes = word_bits // 8
+    out = torch.stack([(words >> (8 * i)) & 255 for i in range(nbytes)], dim=-1)  # little-endian
+    return out.flatten(-2).to(torch.uint8)
 
 
-def unpack_planar(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
+def unpack_words(packed: torch.Tensor, bits: int, planes: int) -> torch.Tensor:
+    """Inverse of :func:`pack_words`: codes ``[..., d]`` (uint8)."""
+    nbytes = planes * bits // 8
+    by = packed.to(torch.int64).unflatten(-1, (-1, nbytes))
+    words = sum(by[..., i] << (8 * i) for i in range(nbytes))
     mask = (1 << bits) - 1
-    planes = [(packed >> (bits * k)) & mask for k in range(per)]
-    return torch.cat(planes, dim=-1)
+    return torch.cat([(words >> (bits * k)) & mask for k in range(planes)], dim=-1).to(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -63,12 +77,19 @@ class PagedLayout:
             raise ValueError(f"content_bits={self.content_bits}; the kernel supports {KERNEL_CONTENT_BITS}")
         if self.rope_bits not in KERNEL_ROPE_BITS:
             raise ValueError(f"rope_bits={self.rope_bits}; the kernel supports {KERNEL_ROPE_BITS}")
-        if self.kv_lora_rank % 64 or self.kv_lora_rank < 64:
-            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} must be a multiple of 64 (4 planes of >= 16)")
-        if self.rope_dim % 32 or self.rope_dim < 32:
-            raise ValueError(f"rope_dim={self.rope_dim} must be a multiple of 32 (2 planes of >= 16)")
         check_group(self.kv_lora_rank, self.group_size)
         check_group(self.rope_dim, self.group_size)
+        # each plane (a run of d / planes channels) is an MMA operand (>= 16 wide) inside one group
+        for name, d, planes in (
+            ("kv_lora_rank", self.kv_lora_rank, CONTENT_PLANES),
+            ("rope_dim", self.rope_dim, ROPE_PLANES),
+        ):
+            w = d // planes
+            if d % planes or w < 16 or w & (w - 1) or self.group_size % w:
+                raise ValueError(
+                    f"{name}={d}: the kernel layout needs {planes} runs of a power-of-two width >= 16 that"
+                    f" divides group_size={self.group_size} (e.g. {name}={planes * 16} .. {planes * self.group_size})"
+                )
         if self.page_size not in (16, 32, 64, 128):
             raise ValueError(f"page_size={self.page_size}; valid: 16, 32, 64, 128")
 
@@ -115,24 +136,29 @@ class PagedLatentStore:
         self.layout, self.num_pages = layout, num_pages
         lay, p, t = layout, num_pages, layout.page_size
         if lay.quantized:
-            self.content = torch.zeros(p, t, lay.content_width(), dtype=torch.uint8, device=device)
-            g = lay.kv_lora_rank // lay.group_size
-            self.c_scale = torch.zeros(p, t, g, dtype=torch.float16, device=device)
-            self.c_min = torch.zeros(p, t, g, dtype=torch.float16, device=device)
             if lay.rope_bits == 16:
                 raise ValueError("a quantised content path with a BF16 RoPE key is not a kernel layout")
+            self.content = torch.zeros(p, t, lay.content_width(), dtype=torch.uint8, device=device)
+            g = lay.kv_lora_rank // lay.group_size
+            self.c_sm = torch.zeros(p, t, g, 2, dtype=torch.float16, device=device)  # (scale, minimum)
+            self.c_scale, self.c_min = self.c_sm[..., 0], self.c_sm[..., 1]
             gr = lay.rope_dim // lay.group_size
             self.rope = torch.zeros(p, t, lay.rope_width(), dtype=torch.uint8, device=device)
-            self.r_scale = torch.zeros(p, t, gr, dtype=torch.float16, device=device)
-            self.r_min = torch.zeros(p, t, gr, dtype=torch.float16, device=device)
+            self.r_sm = torch.zeros(p, t, gr, 2, dtype=torch.float16, device=device)
+            self.r_scale, self.r_min = self.r_sm[..., 0], self.r_sm[..., 1]
         else:
             self.content = torch.zeros(p, t, lay.kv_lora_rank + lay.rope_dim, dtype=torch.bfloat16, device=device)
-            self.c_scale = self.c_min = self.rope = self.r_scale = self.r_min = None
+            self.c_sm = self.c_scale = self.c_min = self.rope = self.r_sm = self.r_scale = self.r_min = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [
-            x for x in (self.content, self.c_scale, self.c_min, self.rope, self.r_scale, self.r_min) if x is not None
-        ]
+        """The storage arrays (scale/minimum views not repeated)."""
+        return [x for x in (self.content, self.c_sm, self.rope, self.r_sm) if x is not None]
+
+    def kernel_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Content words (int32 for INT4, int16 for INT2), scale|minimum words (int32), RoPE words
+        (int16), RoPE scale|minimum words: the typed views the low-bit kernel reads."""
+        cw = self.content.view(torch.int32 if self.layout.content_bits == 4 else torch.int16)
+        return cw, self.c_sm.view(torch.int32), self.rope.view(torch.int16), self.r_sm.view(torch.int32)
 
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.tensors())
@@ -145,10 +171,10 @@ class PagedLatentStore:
             return
         qc = quantize_groups(c, lay.content_bits, lay.group_size)
         qr = quantize_groups(r, lay.rope_bits, lay.group_size)
-        self.content[pages, slots] = pack_planar(qc.codes, lay.content_bits)
-        self.c_scale[pages, slots], self.c_min[pages, slots] = qc.scale, qc.minimum
-        self.rope[pages, slots] = pack_planar(qr.codes, lay.rope_bits)
-        self.r_scale[pages, slots], self.r_min[pages, slots] = qr.scale, qr.minimum
+        self.content[pages, slots] = pack_words(qc.codes, lay.content_bits, CONTENT_PLANES)
+        self.c_sm[pages, slots] = torch.stack([qc.scale, qc.minimum], dim=-1).to(torch.float16)
+        self.rope[pages, slots] = pack_words(qr.codes, lay.rope_bits, ROPE_PLANES)
+        self.r_sm[pages, slots] = torch.stack([qr.scale, qr.minimum], dim=-1).to(torch.float16)
 
     def read(self, pages: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised ``(c, r)`` of the tokens at ``(pages, slots)``, float32 (the reference path)."""
@@ -157,12 +183,12 @@ class PagedLatentStore:
             x = self.content[pages, slots].float()
             return x[..., : lay.kv_lora_rank], x[..., lay.kv_lora_rank :]
         g = lay.group_size
-        cc = unpack_planar(self.content[pages, slots], lay.content_bits).float()
+        cc = unpack_words(self.content[pages, slots], lay.content_bits, CONTENT_PLANES).float()
         c = (
             cc.unflatten(-1, (-1, g)) * self.c_scale[pages, slots].float().unsqueeze(-1)
             + self.c_min[pages, slots].float().unsqueeze(-1)
         ).flatten(-2)
-        rc = unpack_planar(self.rope[pages, slots], lay.rope_bits).float()
+        rc = unpack_words(self.rope[pages, slots], lay.rope_bits, ROPE_PLANES).float()
         r = (
             rc.unflatten(-1, (-1, g)) * self.r_scale[pages, slots].float().unsqueeze(-1)
             + self.r_min[pages, slots].float().unsqueeze(-1)

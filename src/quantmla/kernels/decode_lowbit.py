@@ -1,0 +1,144 @@
+"""The fused low-bit MLA decode kernel: INT4/INT2 content and INT4 RoPE key, paged, split-KV.
+
+Program ``(b, split, head_group)`` walks a contiguous range of sequence ``b``'s pages. Each 64-token
+tile is loaded as group-planar code words (:func:`quantmla.kernels.layout.pack_words`) and turned
+into fp16 planes with :mod:`quantmla.kernels.unpack` (one plane = one run of channels inside one
+quantisation group, so scale and minimum are per token), then both products run on the tensor cores
+in fp16 with fp32 accumulation: ``s = q_lat c^T + q_pe k_R^T`` and ``o += softmax(s) c``, every head
+of the group sharing the tile. The queries are cast to fp16 once per program (they must stay below
+65504 in magnitude; the kernel's output is then exact up to fp16 rounding of q, c and p).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl  # noqa: F401
+
+from quantmla.kernels.unpack import dequant4, dequant8, scale_pairs
+
+
+@triton.jit
+def _scale(SM, tok, tmask, k: tl.constexpr, PW: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
+           ASM_OK: tl.constexpr):  # fmt: skip
+    """``(s, s)`` and ``(m, m)`` ``[T, 1]`` of plane ``k`` (``SM``: int32 scale|minimum words)."""
+    sm = tl.load(SM + tok * NG + (k * PW) // G, mask=tmask, other=0)
+    s2, m2 = scale_pairs(sm, ASM_OK)
+    return s2[:, None], m2[:, None]
+
+
+@triton.jit
+def _lowbit_kernel(
+    Q, QR, CW, CSM, RW, RSM, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    hg = tl.program_id(2)
+    PW: tl.constexpr = DC // 8  # content plane width (channels)
+    RPW: tl.constexpr = DR // 4  # RoPE plane width
+    NG: tl.constexpr = DC // G
+    NGR: tl.constexpr = DR // G
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    cp = tl.arange(0, PW)[None, :]
+    rp = tl.arange(0, RPW)[None, :]
+    qb = Q + (b * H + heads)[:, None] * DC + cp
+    hm = hmask[:, None]
+    q0 = tl.load(qb + 0 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q1 = tl.load(qb + 1 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q2 = tl.load(qb + 2 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q3 = tl.load(qb + 3 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q4 = tl.load(qb + 4 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q5 = tl.load(qb + 5 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q6 = tl.load(qb + 6 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    q7 = tl.load(qb + 7 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    qrb = QR + (b * H + heads)[:, None] * DR + rp
+    qr0 = tl.load(qrb + 0 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    qr1 = tl.load(qrb + 1 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    qr2 = tl.load(qrb + 2 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
+    qr3 = tl.load(qrb + 3 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a1 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a2 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a3 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a4 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a5 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a6 = tl.zeros([BLOCK_H, PW], tl.float32)
+    a7 = tl.zeros([BLOCK_H, PW], tl.float32)
+
+    n = tl.load(NPAGED + b)
+    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
+    npages = tl.cdiv(n, PAGE)
+    per = tl.cdiv(npages, NS)
+    p0 = split * per
+    p1 = tl.minimum(p0 + per, npages)
+    for p in range(p0, p1):
+        page = tl.load(BT + b * MAXP + p).to(tl.int64)
+        for t0 in tl.static_range(0, PAGE, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
+            tok = page * PAGE + rows
+            w = tl.load(CW + tok[:, None] * PW + cp, mask=tmask[:, None], other=0)
+            s0, m0 = _scale(CSM, tok, tmask, 0, PW, G, NG, ASM_OK)
+            s1, m1 = _scale(CSM, tok, tmask, 1, PW, G, NG, ASM_OK)
+            s2, m2 = _scale(CSM, tok, tmask, 2, PW, G, NG, ASM_OK)
+            s3, m3 = _scale(CSM, tok, tmask, 3, PW, G, NG, ASM_OK)
+            s4, m4 = _scale(CSM, tok, tmask, 4, PW, G, NG, ASM_OK)
+            s5, m5 = _scale(CSM, tok, tmask, 5, PW, G, NG, ASM_OK)
+            s6, m6 = _scale(CSM, tok, tmask, 6, PW, G, NG, ASM_OK)
+            s7, m7 = _scale(CSM, tok, tmask, 7, PW, G, NG, ASM_OK)
+            c0, c1, c2, c3, c4, c5, c6, c7 = dequant8(
+                w, s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7, CBITS, 32 if CBITS == 4 else 16,
+                ASM_OK,
+            )  # fmt: skip
+            rw = tl.load(RW + tok[:, None] * RPW + rp, mask=tmask[:, None], other=0)
+            rs, rm = _scale(RSM, tok, tmask, 0, RPW, G, NGR, ASM_OK)
+            r0, r1, r2, r3 = dequant4(rw, rs, rm, ASM_OK)
+            c0, c1, c2, c3, c4, c5, c6, c7 = (
+                c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT)
+            )  # fmt: skip
+            qk = tl.dot(q0, tl.trans(c0))
+            qk += tl.dot(q1, tl.trans(c1))
+            qk += tl.dot(q2, tl.trans(c2))
+            qk += tl.dot(q3, tl.trans(c3))
+            qk += tl.dot(q4, tl.trans(c4))
+            qk += tl.dot(q5, tl.trans(c5))
+            qk += tl.dot(q6, tl.trans(c6))
+            qk += tl.dot(q7, tl.trans(c7))
+            qk += tl.dot(qr0, tl.trans(r0.to(DT)))
+            qk += tl.dot(qr1, tl.trans(r1.to(DT)))
+            qk += tl.dot(qr2, tl.trans(r2.to(DT)))
+            qk += tl.dot(qr3, tl.trans(r3.to(DT)))
+            qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            pr = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            pb = pr.to(tl.float16).to(DT)
+            a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+            a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
+            a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
+            a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+            a4 = a4 * alpha[:, None] + tl.dot(pb, c4)
+            a5 = a5 * alpha[:, None] + tl.dot(pb, c5)
+            a6 = a6 * alpha[:, None] + tl.dot(pb, c6)
+            a7 = a7 * alpha[:, None] + tl.dot(pb, c7)
+            m_i = m_new
+
+    has = l_i > 0
+    inv = (1.0 / tl.where(has, l_i, 1.0))[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LP + (b * NSP + split) * H + heads, lse, mask=hmask)
+    ob = OP + ((b * NSP + split) * H + heads)[:, None] * DC + cp
+    tl.store(ob + 0 * PW, a0 * inv, mask=hm)
+    tl.store(ob + 1 * PW, a1 * inv, mask=hm)
+    tl.store(ob + 2 * PW, a2 * inv, mask=hm)
+    tl.store(ob + 3 * PW, a3 * inv, mask=hm)
+    tl.store(ob + 4 * PW, a4 * inv, mask=hm)
+    tl.store(ob + 5 * PW, a5 * inv, mask=hm)
+    tl.store(ob + 6 * PW, a6 * inv, mask=hm)
+    tl.store(ob + 7 * PW, a7 * inv, mask=hm)

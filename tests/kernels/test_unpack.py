@@ -1,0 +1,116 @@
+"""The packing of the kernel layout, and the low-bit kernel's inline PTX run on a small emulator.
+
+The PTX only runs on a GPU; emulating its few instructions (prmt, lop3, shr, mov, sub/fma.f16x2)
+bit-exactly here checks the bit tricks on every code and both halves of each register on CPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES, PagedLayout, pack_words, unpack_words
+from quantmla.kernels.unpack import _plane_asm, plane_asm_kernel_args
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(4, 8, 512), (4, 8, 128), (2, 8, 512), (2, 8, 256), (4, 4, 64)]), st.integers(0, 2**31 - 1))
+def test_pack_words_round_trip_and_bit_positions(cfg, seed):
+    bits, planes, d = cfg
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (3, d), generator=g, dtype=torch.uint8)
+    packed = pack_words(codes, bits, planes)
+    assert packed.shape == (3, d * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_words(packed, bits, planes), codes)
+    nbytes = planes * bits // 8
+    words = sum(packed.long().unflatten(-1, (-1, nbytes))[..., i] << (8 * i) for i in range(nbytes))
+    e, k = d // planes - 1, planes - 1  # last word, last plane: channel k * d / planes + e at bit k * bits
+    assert torch.equal((words[:, e] >> (bits * k)) & (2**bits - 1), codes[:, k * d // planes + e].long())
+
+
+def test_layout_rejects_geometry_the_kernel_cannot_cut():
+    with pytest.raises(ValueError, match="kv_lora_rank=64"):
+        PagedLayout(4, 4, kv_lora_rank=64)
+    with pytest.raises(ValueError, match="rope_dim=32"):
+        PagedLayout(4, 4, kv_lora_rank=128, rope_dim=32, group_size=32)
+    with pytest.raises(ValueError, match="words must be"):
+        pack_words(torch.zeros(2, 64, dtype=torch.uint8), 4, 2)
+
+
+def _f16x2(lo, hi):
+    return int(np.array([lo, hi], np.float16).view(np.uint32)[0])
+
+
+def _halves(r):
+    return np.array([r], np.uint32).view(np.float16).astype(np.float64)
+
+
+def emulate(asm: str, operands: dict[int, int]) -> dict[int, int]:
+    """Run the PTX subset the kernel uses; registers are 32-bit ints, ``$i`` the operands."""
+    reg = {f"${i}": v for i, v in operands.items()}
+
+    def val(x):
+        x = x.strip().rstrip(";")
+        return int(x, 0) if x[0].isdigit() else reg[x]
+
+    for line in asm.splitlines():
+        line = line.strip()
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        a = [x.strip() for x in args.rstrip(";").split(",")]
+        d = a[0]
+        if op == "prmt.b32":
+            src = val(a[1]) | (val(a[2]) << 32)
+            sel = val(a[3])
+            reg[d] = sum(((src >> (8 * ((sel >> (4 * i)) & 7))) & 255) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":
+            assert val(a[4]) == 0xEA  # (a & b) | c
+            reg[d] = (val(a[1]) & val(a[2])) | val(a[3])
+        elif op == "shr.b32":
+            reg[d] = val(a[1]) >> val(a[2])
+        elif op == "mov.b32":
+            reg[d] = val(a[1])
+        elif op == "sub.f16x2":  # exact here (integers below 2048)
+            x, y = _halves(val(a[1])), _halves(val(a[2]))
+            reg[d] = _f16x2(*(x - y))
+        elif op == "fma.rn.f16x2":  # float64 is exact for code * fp16 + fp16: one rounding, as fma
+            x, y, z = _halves(val(a[1])), _halves(val(a[2])), _halves(val(a[3]))
+            reg[d] = _f16x2(*(x * y + z))
+        else:
+            raise AssertionError(f"unexpected instruction {op}")
+    return reg
+
+
+@pytest.mark.parametrize("word_bits,bits,planes", [(32, 4, 8), (16, 2, 8), (16, 4, 4)])
+def test_ptx_dequantises_every_code_of_both_words(word_bits, bits, planes):
+    """Two words per call; output plane k is (code k of word 0, code k of word 1) * s_k + m_k."""
+    asm = _plane_asm(word_bits, bits, planes)
+    _, cons = plane_asm_kernel_args(word_bits, bits, planes)
+    n_words = 2 if word_bits == 32 else 1
+    assert cons.count("=r") == planes and cons.count(",") + 1 == planes + n_words + 4 * planes
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        codes = rng.integers(0, 2**bits, size=(2, planes)) if trial else np.full((2, planes), 2**bits - 1)
+        words = [sum(int(c) << (bits * k) for k, c in enumerate(codes[e])) for e in range(2)]
+        s = rng.uniform(0.01, 40, planes).astype(np.float16)
+        m = rng.uniform(-300, 300, planes).astype(np.float16)
+        ops = dict(enumerate([0] * planes))
+        if n_words == 2:
+            ops[planes], ops[planes + 1] = words
+        else:
+            ops[planes] = words[0] | (words[1] << 16)
+        first = planes + n_words
+        for k in range(planes):  # (s, s) and (m, m); the second register of each pair is unused
+            ops[first + 2 * k], ops[first + 2 * k + 1] = _f16x2(s[k], s[k]), 0xDEADBEEF
+            ops[first + 2 * planes + 2 * k], ops[first + 2 * planes + 2 * k + 1] = _f16x2(m[k], m[k]), 0xDEADBEEF
+        out = emulate(asm, ops)
+        for k in range(planes):
+            got = _halves(out[f"${k}"] & 0xFFFFFFFF)
+            want = (codes[:, k] * s[k].astype(np.float64) + m[k].astype(np.float64)).astype(np.float16)
+            assert np.array_equal(got, want.astype(np.float64)), (trial, k, got, want)
+
+
+def test_plane_counts_match_the_layout():
+    assert CONTENT_PLANES == 8 and ROPE_PLANES == 4
