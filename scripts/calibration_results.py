@@ -57,8 +57,14 @@ def main() -> None:
         )
         return perplexity(model, tok, test_text, cfg, progress=False).ppl
 
+    def dump() -> None:
+        data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
+        data["calibration_seconds"] = times
+        (args.out / "results.json").write_text(json.dumps(data, indent=1))
+
     if "bf16" in wanted:
         results.append({"method": "bf16", "scheme": "bf16", "windows": "4+128", "ppl": ppl(base, "bf16", 4, 128)})
+        dump()
     for tag in wanted:
         if tag == "bf16":
             continue
@@ -69,7 +75,7 @@ def main() -> None:
             copy.deepcopy(base),
             tok,
             calib_text,
-            progress=False,
+            progress=True,
             scheme=scheme,
             method=method,
             steps=args.steps,
@@ -90,9 +96,7 @@ def main() -> None:
                 }
             )
             print(json.dumps(results[-1]), flush=True)
-    data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
-    data["calibration_seconds"] = times
-    (args.out / "results.json").write_text(json.dumps(data, indent=1))
+        dump()  # after every run, so a run cut short keeps what it finished
     plot(layers, args.out / "layer_errors.png")
 
 

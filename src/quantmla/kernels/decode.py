@@ -217,15 +217,17 @@ MAX_SPLITS = 256
 
 
 def default_num_splits(batch: int, head_groups: int, max_pages: int, device: torch.device) -> int:
-    """About four programs per SM (tuned on H200), at most one page per split and MAX_SPLITS splits."""
+    """About eight programs per SM (tuned on H200: more, shorter programs even out the last wave),
+    at most one split per page and MAX_SPLITS splits."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(max_pages, MAX_SPLITS, math.ceil(4 * sms / (batch * head_groups))))
+    return max(1, min(max_pages, MAX_SPLITS, math.ceil(8 * sms / (batch * head_groups))))
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
     """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep)."""
-    quant = content_bits != 16
-    return dict(block_t=64, num_warps=8 if quant or block_h > 16 else 4, num_stages=2)
+    if content_bits != 16:  # the low-bit kernel: no software pipelining (registers, not copies, bound it)
+        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=1)
+    return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2)
 
 
 def mla_decode(
