@@ -1,6 +1,6 @@
 """Seconds per layer of QuantMLA calibration at DeepSeek-V2-Lite's attention shape (random weights).
 
-Paper recipe by default: 300 steps per path (the content path twice: identity and Hadamard starts),
+Paper recipe by default: 300 steps per path (from the best-validating start of each path),
 128 calibration + 32 held-out sequences; here of 2048 tokens. One decoder layer is built.
 
     PYTHONPATH=src:benchmarks python benchmarks/calibration_timing.py
