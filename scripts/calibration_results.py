@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma list of: {', '.join(ALL_RUNS)}")
     ap.add_argument("--merge", type=Path, nargs="+", help="merge the results.json of these output folders")
+    ap.add_argument("--seed", type=int, default=0, help="calibration seed (the random Hadamard draws)")
+    ap.add_argument("--windows", choices=("both", "with", "without"), default="both",
+                    help="evaluate with sink 4 + recent 128, without, or both")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -83,10 +86,12 @@ def main() -> None:
             val_seqs=args.val_seqs,
             seq_len=args.seq_len,
             paths=paths,
+            seed=args.seed,
         )
         times[tag] = time.perf_counter() - t0
         layers[tag] = rep.layers
-        for sink, recent in ((4, 128), (0, 0)):
+        settings = {"both": ((4, 128), (0, 0)), "with": ((4, 128),), "without": ((0, 0),)}[args.windows]
+        for sink, recent in settings:
             results.append(
                 {
                     "method": tag,
