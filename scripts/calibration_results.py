@@ -138,12 +138,13 @@ def plot(layers: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, path in zip(axes, ("content", "rope"), strict=True):
+    for ax, kind in zip(axes, ("content", "rope"), strict=True):
         for tag, rows in layers.items():
             if tag.endswith("c4r4") or tag.endswith("c2r4"):
-                ax.plot([r["layer"] for r in rows], [r[path]["val_after"] for r in rows], "o-", label=tag)
+                style = "-" if tag.endswith("c4r4") else "--"
+                ax.plot([r["layer"] for r in rows], [r[kind]["val_after"] for r in rows], "o" + style, label=tag)
         ax.set_yscale("log")
-        ax.set_title(f"{path}: validation error after calibration")
+        ax.set_title(f"{kind} path: held-out layer error after calibration")
         ax.set_xlabel("layer")
     axes[0].set_ylabel("normalised error (held-out)")
     axes[1].legend(fontsize=7)
