@@ -12,8 +12,9 @@ of the group sharing the tile. The queries are cast to fp16 once per program (th
 from __future__ import annotations
 
 import triton
-import triton.language as tl  # noqa: F401
+import triton.language as tl
 
+from quantmla.kernels.decode import _init_state, _split_pages
 from quantmla.kernels.unpack import dequant4, dequant8, scale_pairs
 
 
@@ -59,23 +60,10 @@ def _lowbit_kernel(
     qr2 = tl.load(qrb + 2 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr3 = tl.load(qrb + 3 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    a0 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a1 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a2 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a3 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a4 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a5 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a6 = tl.zeros([BLOCK_H, PW], tl.float32)
-    a7 = tl.zeros([BLOCK_H, PW], tl.float32)
+    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PW)
+    _, _, a4, a5, a6, a7 = _init_state(BLOCK_H, PW)  # eight output planes
 
-    n = tl.load(NPAGED + b)
-    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
-    npages = tl.cdiv(n, PAGE)
-    per = tl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = tl.minimum(p0 + per, npages)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
