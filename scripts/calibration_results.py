@@ -17,8 +17,10 @@ import torch
 
 import quantmla
 from quantmla.calibrate import calibrate
+from quantmla.calibrate.api import CalibrationConfig, LayerStage
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.models.loading import builtin_text
+from quantmla.transforms.fuse import RopeTransform
 
 ALL_RUNS = (
     "bf16",
@@ -41,6 +43,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="calibration seed (the random Hadamard draws)")
     ap.add_argument("--windows", choices=("both", "with", "without"), default="both",
                     help="evaluate with sink 4 + recent 128, without, or both")  # fmt: skip
+    ap.add_argument("--model-steps", type=int, default=150, help="QuantMLA's model-level steps (0: layer stage only)")
+    ap.add_argument("--layer-stages", type=Path, default=None,
+                    help="folder of QuantMLA layer stages: reused when there, saved when not")  # fmt: skip
+    ap.add_argument("--layer-stage-only", action="store_true",
+                    help="only compute and save the QuantMLA layer stages (into --layer-stages)")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -54,55 +61,88 @@ def main() -> None:
     calib_text, test_text = builtin_text("validation"), builtin_text("test")
     results, layers, times = [], {}, {}
 
-    def ppl(model, scheme, sink, recent):
+    def evaluate(model, scheme, sink, recent) -> dict:
         cfg = PerplexityConfig(
-            scheme=scheme, seq_len=512, num_seqs=args.eval_seqs, sink=sink, recent=recent, batch_size=16
-        )
-        return perplexity(model, tok, test_text, cfg, progress=False).ppl
+            scheme=scheme, seq_len=512, num_seqs=args.eval_seqs, sink=sink, recent=recent, batch_size=16, kl=True,
+            per_window=True,
+        )  # fmt: skip
+        r = perplexity(model, tok, test_text, cfg, progress=False)
+        return {"ppl": r.ppl, "kl": r.kl, "window_nll": r.window_nll, "tokens_per_window": r.tokens // r.sequences}
 
     def dump() -> None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
         data["calibration_seconds"] = times
         (args.out / "results.json").write_text(json.dumps(data, indent=1))
 
-    if "bf16" in wanted:
-        results.append({"method": "bf16", "scheme": "bf16", "windows": "4+128", "ppl": ppl(base, "bf16", 4, 128)})
+    settings = {"both": ((4, 128), (0, 0)), "with": ((4, 128),), "without": ((0, 0),)}[args.windows]
+    if "bf16" in wanted and not args.layer_stage_only:
+        results.append({"method": "bf16", "scheme": "bf16", "windows": "4+128", **evaluate(base, "bf16", 4, 128)})
         dump()
     for tag in wanted:
         if tag == "bf16":
             continue
         method, scheme, *only = tag.split("/")
         paths = tuple(only) if only else ("content", "rope")
-        t0 = time.perf_counter()
-        model, rep = calibrate(
-            copy.deepcopy(base),
-            tok,
-            calib_text,
-            progress=True,
-            scheme=scheme,
-            method=method,
-            steps=args.steps,
-            num_seqs=args.num_seqs,
-            val_seqs=args.val_seqs,
-            seq_len=args.seq_len,
-            paths=paths,
-            seed=args.seed,
-        )
-        times[tag] = time.perf_counter() - t0
-        layers[tag] = rep.layers
-        settings = {"both": ((4, 128), (0, 0)), "with": ((4, 128),), "without": ((0, 0),)}[args.windows]
-        for sink, recent in settings:
-            results.append(
-                {
+        if args.layer_stage_only and method != "quantmla":
+            continue
+        stage_file = None  # only QuantMLA has a layer stage to save or reuse
+        if args.layer_stages is not None and method == "quantmla":
+            stage_file = args.layer_stages / f"{scheme}-{'+'.join(paths)}.pt"
+        stage = torch.load(stage_file, weights_only=False) if stage_file is not None and stage_file.exists() else None
+        if stage is None and method == "quantmla" and paths == ("content",) and args.layer_stages is not None:
+            full = args.layer_stages / f"{scheme}-content+rope.pt"
+            if full.exists():  # the ablation: the same learned content transforms, no RoPE transform
+                key = CalibrationConfig(
+                    scheme=scheme, method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
+                    seq_len=args.seq_len, paths=paths, seed=args.seed,
+                ).layer_key()  # fmt: skip
+                stage = content_only(torch.load(full, weights_only=False), key)
+        # the baselines do not depend on the windows (calibrate once); QuantMLA's model-level stage does
+        calibrations = [(s, [s]) for s in settings] if method == "quantmla" else [(settings[0], list(settings))]
+        for (c_sink, c_recent), evals in calibrations:
+            t0 = time.perf_counter()
+            model, rep = calibrate(
+                copy.deepcopy(base), tok, calib_text, progress=True, layer_stage=stage, scheme=scheme,
+                method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
+                seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
+                model_steps=0 if args.layer_stage_only else args.model_steps,
+            )  # fmt: skip
+            key = tag if method != "quantmla" else f"{tag}@{c_sink}+{c_recent}"
+            times[key] = time.perf_counter() - t0
+            layers[key] = rep.layers
+            if method == "quantmla" and stage is None:
+                stage = rep.layer_stage
+                times[f"{tag}:layer-stage"] = times[key]
+                if stage_file is not None:
+                    stage_file.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(stage, stage_file)
+            if args.layer_stage_only:
+                break
+            for sink, recent in evals:
+                row = {
                     "method": tag,
                     "scheme": scheme,
                     "windows": f"{sink}+{recent}",
-                    "ppl": ppl(model, scheme, sink, recent),
+                    **evaluate(model, scheme, sink, recent),
                 }
-            )
-            print(json.dumps(results[-1]), flush=True)
-        dump()  # after every run, so a run cut short keeps what it finished
-    plot(layers, args.out / "layer_errors.png")
+                row["model_level"] = rep.model_level
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("window_nll", "model_level")}), flush=True)
+            dump()  # after every run, so a run cut short keeps what it finished
+    if not args.layer_stage_only:
+        plot(layers, args.out / "layer_errors.png")
+
+
+def content_only(full: LayerStage, key: tuple) -> LayerStage:
+    rows = [
+        {**r, "rope": {"val_before": r["rope"]["val_before"], "val_after": r["rope"]["val_before"]}} for r in full.rows
+    ]
+    chosen = {}
+    for idx, (ct, rt) in full.chosen.items():
+        zeros = torch.zeros_like(rt.angles)
+        chosen[idx] = (ct, RopeTransform(zeros, zeros.clone()))
+    candidates = {idx: (c, {}) for idx, (c, _r) in full.candidates.items()}
+    return LayerStage(key, full.data_sha256, rows, chosen, candidates)
 
 
 def merge(parts: list[Path], out: Path) -> None:
@@ -115,20 +155,47 @@ def merge(parts: list[Path], out: Path) -> None:
         merged["calibration_seconds"].update(d["calibration_seconds"])
     order = {t: i for i, t in enumerate(ALL_RUNS)}
     merged["results"].sort(key=lambda r: (order[r["method"]], r["windows"] != "4+128"))
+    merged["paired"] = paired_differences(merged["results"])
     (out / "results.json").write_text(json.dumps(merged, indent=1))
     plot(merged["layers"], out / "layer_errors.png")
-    print("| method | scheme | sink 4 + recent 128 | no windows | calibration s |")
-    print("|---|---|---|---|---|")
+    print("| method | scheme | ppl, sink 4 + recent 128 | ppl, no windows | KL, sink 4 + recent 128 | KL, no windows |")
+    print("|---|---|---|---|---|---|")
     for tag in ALL_RUNS:
-        rows = {r["windows"]: r["ppl"] for r in merged["results"] if r["method"] == tag}
+        rows = {r["windows"]: r for r in merged["results"] if r["method"] == tag}
         if rows:
-            secs = merged["calibration_seconds"].get(tag)
-            cells = [f"{rows[w]:.3f}" if w in rows else "" for w in ("4+128", "0+0")]
-            print(
-                f"| {tag} | {tag.split('/')[-1] if tag == 'bf16' else tag.split('/')[1]} | "
-                + " | ".join(cells)
-                + f" | {'' if secs is None else f'{secs:.0f}'} |"
-            )
+            ppl = [f"{rows[w]['ppl']:.3f}" if w in rows else "" for w in ("4+128", "0+0")]
+            kl = [f"{rows[w]['kl']:.2e}" if w in rows and rows[w].get("kl") else "" for w in ("4+128", "0+0")]
+            scheme = "bf16" if tag == "bf16" else tag.split("/")[1]
+            print(f"| {tag} | {scheme} | " + " | ".join(ppl + kl) + " |")
+    print("\nPaired bootstrap over test windows, QuantMLA minus each baseline (ppl; 95% interval):")
+    for p in merged["paired"]:
+        ci = f"[{p['lo']:+.4f}, {p['hi']:+.4f}]"
+        print(f"  {p['scheme']} {p['windows']:6s} vs {p['baseline']:12s} {p['diff']:+.4f} {ci}")
+
+
+def paired_differences(results: list[dict], draws: int = 2000) -> list[dict]:
+    """ppl(QuantMLA) - ppl(baseline) with a 95% paired bootstrap interval over the test windows."""
+    import math
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for ours in results:
+        if not ours["method"].startswith("quantmla/") or ours["method"].count("/") != 1:
+            continue
+        scheme, windows = ours["scheme"], ours["windows"]
+        a = torch.tensor(ours["window_nll"], dtype=torch.float64)
+        for theirs in results:
+            if theirs["scheme"] != scheme or theirs["windows"] != windows or theirs["method"].startswith("quantmla"):
+                continue
+            b = torch.tensor(theirs["window_nll"], dtype=torch.float64)
+            tokens = ours["tokens_per_window"] if "tokens_per_window" in ours else 511
+            idx = torch.randint(0, len(a), (draws, len(a)), generator=gen)
+            diffs = (a[idx].sum(1) / (len(a) * tokens)).exp() - (b[idx].sum(1) / (len(a) * tokens)).exp()
+            lo, hi = torch.quantile(diffs, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+            diff = math.exp(a.sum().item() / (len(a) * tokens)) - math.exp(b.sum().item() / (len(a) * tokens))
+            out.append({"scheme": scheme, "windows": windows, "baseline": theirs["method"].split("/")[0],
+                        "diff": diff, "lo": lo, "hi": hi})  # fmt: skip
+    return out
 
 
 def plot(layers: dict, path: Path) -> None:
@@ -140,9 +207,12 @@ def plot(layers: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, kind in zip(axes, ("content", "rope"), strict=True):
         for tag, rows in layers.items():
-            if tag.endswith("c4r4") or tag.endswith("c2r4"):
-                style = "-" if tag.endswith("c4r4") else "--"
-                ax.plot([r["layer"] for r in rows], [r[kind]["val_after"] for r in rows], "o" + style, label=tag)
+            name = tag.split("@")[0]
+            if tag.endswith("@4+128") or not (name.endswith("c4r4") or name.endswith("c2r4")):
+                continue  # one curve per method and scheme (QuantMLA: its no-window calibration)
+            style = "-" if name.endswith("c4r4") else "--"
+            ys = [r[kind].get("val_final", r[kind]["val_after"]) for r in rows]
+            ax.plot([r["layer"] for r in rows], ys, "o" + style, label=name)
         ax.set_yscale("log")
         ax.set_title(f"{kind} path: held-out layer error after calibration")
         ax.set_xlabel("layer")

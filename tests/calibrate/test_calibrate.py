@@ -10,7 +10,7 @@ from quantmla.calibrate import CalibrationConfig, calibrate, export, read_meta
 from quantmla.cli.main import app
 from quantmla.models.loading import builtin_text
 
-SMALL = dict(steps=4, num_seqs=2, val_seqs=1, seq_len=64, batch_size=2)
+SMALL = dict(steps=4, num_seqs=2, val_seqs=1, seq_len=64, batch_size=2, model_steps=10)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,7 @@ def test_meta_and_reload(calibrated):
     out, _, _, report = calibrated
     meta = read_meta(out)
     assert meta["scheme"] == "c2r4" and meta["method"] == "quantmla" and meta["steps"] == 4
+    assert meta["model_level"]["val_after"] <= min(meta["model_level"]["start_val"].values())
     assert meta["calibration"]["data_sha256"] == report.data_sha256 and len(meta["layers"]) == 8
     model, _ = quantmla.load(str(out))
     assert model.quantmla_meta["scheme"] == "c2r4"
@@ -62,7 +63,7 @@ def test_quantmla_never_worse_than_a_baseline_on_held_out_data(scheme):
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (6, 32), generator=gen)
-    cfg = dict(scheme=scheme, steps=3, num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)
+    cfg = dict(scheme=scheme, steps=3, num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False, model_steps=2)
     reports = {}
     for method in ("rtn", "smoothquant", "quarot", "quantmla"):
         _, reports[method] = calibrate(tiny_model("deepseek_v3", seed=0), None, ids, method=method, **cfg)
@@ -150,3 +151,17 @@ def test_cli_calibrate_then_eval_uses_the_exported_scheme(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout[res.stdout.index("{") :])
     assert out["results"][0]["scheme"] == "c2r4" and out["results"][0]["recent"] == 128
+
+
+def test_cli_calibrate_model_level_flags(tmp_path):
+    runner = CliRunner()
+    args = ["calibrate", "--out", str(tmp_path / "m"), "--steps", "1", "--num-seqs", "2", "--val-seqs", "1"]
+    args += ["--seq-len", "64", "--batch-size", "2", "--no-sink-recent"]
+    res = runner.invoke(app, [*args, "--model-objective", "mse"])
+    assert res.exit_code != 0 and "valid: kl, ce" in res.output
+    res = runner.invoke(app, [*args, "--model-steps", "2", "--model-objective", "ce"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "model level (ce, sink 0 + recent 0)" in res.output
+    meta = read_meta(tmp_path / "m")
+    assert meta["model_level"]["steps"] == 2 and meta["model_level"]["objective"] == "ce"
+    assert meta["sink"] == 0 and meta["model_level"]["init"] in meta["model_level"]["start_val"]

@@ -22,6 +22,8 @@ def test_demo_small():
             "bf16,c4r4",
             "--calibrate-steps",
             "2",
+            "--calibrate-model-steps",
+            "1",
         ],
         terminal_width=200,
     )

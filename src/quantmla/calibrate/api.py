@@ -11,12 +11,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantmla.calibrate.methods import METHODS, LearnConfig, content_transform, rope_transform
-from quantmla.calibrate.objectives import collect, latent_gain
+from quantmla.calibrate.methods import METHODS, LearnConfig, _mean_loss, content_transform, rope_transform
+from quantmla.calibrate.model_level import ModelLevelConfig, refine
+from quantmla.calibrate.objectives import collect, content_loss, latent_gain, rope_loss
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import disable_latent_attention, enable_latent_attention, is_latent_attention_enabled
 from quantmla.quant.scheme import parse_scheme
-from quantmla.transforms.fuse import fuse_content, fuse_rope
+from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope
 
 META_FILE = "quantmla.json"
 META_FORMAT = 1
@@ -38,6 +39,9 @@ class CalibrationConfig:
     sink: int = 4
     recent: int = 128
     seed: int = 0
+    model_steps: int = 150  # quantmla's model-level stage (0: layer objectives only)
+    model_lr: float = 1e-3
+    model_objective: str = "kl"
 
     def __post_init__(self) -> None:
         s = parse_scheme(self.scheme)
@@ -52,6 +56,25 @@ class CalibrationConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         LearnConfig(self.steps, self.lr)
+        ModelLevelConfig(self.model_steps, self.model_lr, self.batch_size, objective=self.model_objective)
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
+
+    def layer_key(self) -> tuple:
+        """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
+        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective"}
+        return tuple((k, v) for k, v in asdict(self).items() if k not in skip)
+
+
+@dataclass
+class LayerStage:
+    """The layer-local stage's result: per cache index the chosen transforms and every candidate."""
+
+    key: tuple
+    data_sha256: str
+    rows: list[dict]
+    chosen: dict[int, tuple[ContentTransform, RopeTransform]]
+    candidates: dict[int, tuple[dict, dict]]
 
 
 @dataclass
@@ -59,17 +82,25 @@ class CalibrationReport:
     config: CalibrationConfig
     data_sha256: str
     layers: list[dict] = field(default_factory=list)  # per layer: content / rope val errors before, after
+    model_level: dict | None = None  # quantmla's model-level stage: held-out KL per start, after, history
+    layer_stage: LayerStage | None = field(default=None, repr=False)  # reusable by calibrate(layer_stage=)
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "data_sha256": self.data_sha256, "layers": self.layers}
+        d = {"config": asdict(self.config), "data_sha256": self.data_sha256, "layers": self.layers}
+        d["model_level"] = self.model_level
+        return d
 
 
-def calibrate(model: nn.Module, tokenizer, texts, progress: bool = True, **kwargs):
+def calibrate(
+    model: nn.Module, tokenizer, texts, progress: bool = True, layer_stage: LayerStage | None = None, **kwargs
+):
     """Calibrate ``model`` in place for a quantised cache and return ``(model, report)``.
 
     ``texts``: a string, a list of strings (joined), or token windows ``[N, T]``; keyword arguments
     are :class:`CalibrationConfig` fields (``scheme``, ``method``, ``steps``, ``num_seqs``, ...).
     The model keeps its full-precision function exactly; only the basis of each cached path changes.
+    ``layer_stage``: ``report.layer_stage`` of an earlier run on the same (unfused) model, data and
+    config up to ``sink``, ``recent`` and the model-level fields; it skips the layer-local stage.
     """
     from quantmla.eval.ppl import token_windows
 
@@ -88,10 +119,38 @@ def calibrate(model: nn.Module, tokenizer, texts, progress: bool = True, **kwarg
         enable_latent_attention(model)
     adapter = get_adapter(model)
     scheme = parse_scheme(cfg.scheme)
+    modules = list(adapter.attention_modules(model))
+    if layer_stage is None:
+        layer_stage = _layer_stage(model, adapter, modules, train_w, val_w, cfg, report.data_sha256, progress)
+    elif layer_stage.key != cfg.layer_key() or layer_stage.data_sha256 != report.data_sha256:
+        raise ValueError("layer_stage comes from a different config or calibration data; run without it")
+    report.layer_stage = layer_stage
+    report.layers = [dict(r) for r in layer_stage.rows]
+    chosen = dict(layer_stage.chosen)
+    if cfg.method == "quantmla" and cfg.model_steps > 0:
+        chosen, report.model_level = _model_stage(model, adapter, modules, train_w, val_w, cfg, layer_stage, progress)
+    for idx, attn in modules:
+        fuse_content(adapter, attn, chosen[idx][0])
+        fuse_rope(adapter, attn, chosen[idx][1], model.config)
+    if report.model_level is not None:  # the layer objectives of the final transforms, for the report
+        for row, (idx, attn) in zip(report.layers, modules, strict=True):
+            val = collect(model, idx, val_w, cfg.batch_size)
+            g = latent_gain(adapter, attn)  # the fused model's: the transforms are in the weights now
+            eye_c, ones = torch.eye(g.shape[0], dtype=torch.float64), torch.ones(g.shape[0], dtype=torch.float64)
+            eye_r = torch.eye(attn.qk_rope_head_dim, dtype=torch.float64)
+            c_err = _mean_loss(lambda b: content_loss(b, g, eye_c, ones, scheme.content, cfg.group_size), val)  # noqa: B023
+            r_err = _mean_loss(lambda b: rope_loss(b, eye_r, eye_r, scheme.rope, cfg.group_size), val)  # noqa: B023
+            row["content"]["val_final"], row["rope"]["val_final"] = c_err, r_err
+            del val
+    return model, report
+
+
+def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress) -> LayerStage:
+    scheme = parse_scheme(cfg.scheme)
     learn_cfg = LearnConfig(cfg.steps, cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    modules = list(adapter.attention_modules(model))
+    rows, chosen, candidates = [], {}, {}
     for idx, attn in tqdm(modules, desc=f"calibrate {cfg.method} {cfg.scheme}", unit="layer", disable=not progress):
         train = collect(model, idx, train_w, cfg.batch_size)
         val = collect(model, idx, val_w, cfg.batch_size)
@@ -103,11 +162,44 @@ def calibrate(model: nn.Module, tokenizer, texts, progress: bool = True, **kwarg
         pairs = adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim)
         r_method = cfg.method if "rope" in cfg.paths else "rtn"
         rt, row["rope"] = rope_transform(r_method, train, val, pairs, scheme.rope, cfg.group_size, learn_cfg, gen)
-        fuse_content(adapter, attn, ct)
-        fuse_rope(adapter, attn, rt, model.config)
-        report.layers.append(row)
+        candidates[idx] = (row["content"].pop("candidates", {}), row["rope"].pop("candidates", {}))
+        chosen[idx] = (ct, rt)
+        rows.append(row)
         del train, val
-    return model, report
+    return LayerStage(cfg.layer_key(), data_sha, rows, chosen, candidates)
+
+
+# model-level starts: every layer from the layer stage, or every layer with one baseline's transforms
+_UNIFORM_STARTS = {
+    "rtn": ("identity", "identity"),
+    "smoothquant": ("smooth", "smooth"),
+    "quarot": ("hadamard", "quarot"),
+}
+
+
+def _model_stage(model, adapter, modules, train_w, val_w, cfg, stage: LayerStage, progress):
+    starts = {"quantmla-layer": dict(stage.chosen)}
+    for name, (c_name, r_name) in _UNIFORM_STARTS.items():
+        start = {}
+        for idx, _ in modules:
+            c_cands, r_cands = stage.candidates[idx]
+            ct, rt = stage.chosen[idx]
+            if "content" in cfg.paths:
+                ct = c_cands.get(c_name)
+            if "rope" in cfg.paths:
+                rt = r_cands.get(r_name)
+            if ct is None or rt is None:
+                break
+            start[idx] = (ct, rt)
+        else:
+            starts[name] = start
+    gains = {idx: latent_gain(adapter, attn) for idx, attn in modules}
+    pairs = {idx: adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim) for idx, attn in modules}
+    mcfg = ModelLevelConfig(cfg.model_steps, cfg.model_lr, cfg.batch_size, objective=cfg.model_objective)
+    return refine(
+        model, modules, starts, gains, pairs, train_w, val_w, parse_scheme(cfg.scheme), cfg.group_size,
+        cfg.sink, cfg.recent, mcfg, trainable=cfg.paths, progress=progress,
+    )  # fmt: skip
 
 
 def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationReport) -> Path:
@@ -150,6 +242,9 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
             "transformers": transformers.__version__,
         },
         "layers": report.layers,
+        "model_level": None
+        if report.model_level is None
+        else {**report.model_level, "steps": cfg.model_steps, "lr": cfg.model_lr},
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out

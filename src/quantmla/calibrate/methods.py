@@ -10,7 +10,8 @@
   candidate start (content: identity, the SmoothQuant scales, a randomised Hadamard; RoPE:
   identity, the SmoothQuant pair scales, the QuaRot pair rotations); the one that validates best is
   trained. Step 0 counts, so on held-out data QuantMLA's layer objective is never worse than a
-  baseline's.
+  baseline's. The candidates are returned (``info["candidates"]``) for the model-level stage
+  (:mod:`quantmla.calibrate.model_level`).
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def content_transform(
     rot, sc = p.rotation().detach(), p.scales().detach()
     # the learned rotation is orthogonal up to matrix_exp's rounding: re-orthogonalise before fusing
     u, _, vh = torch.linalg.svd(rot)
-    return ContentTransform(u @ vh, sc), {"val_before": base, "val_after": v, "best_step": step, "init": init}
+    info = {"val_before": base, "val_after": v, "best_step": step, "init": init}
+    info["candidates"] = {name: ContentTransform(r, ones if s is None else s) for name, r, s in candidates}
+    return ContentTransform(u @ vh, sc), info
 
 
 def rope_transform(
@@ -187,4 +190,5 @@ def rope_transform(
 
     v, step = learn(p, live, train, val, cfg)
     t = RopeTransform(p.angles.detach().clone(), p.log_scales.detach().clone())
-    return t, {"val_before": base, "val_after": v, "best_step": step, "init": init}
+    info = {"val_before": base, "val_after": v, "best_step": step, "init": init, "candidates": dict(starts)}
+    return t, info

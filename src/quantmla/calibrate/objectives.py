@@ -66,8 +66,13 @@ def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int
 
 
 def latent_gain(adapter: MLAAdapter, attn: nn.Module) -> torch.Tensor:
-    """``g`` with ``c = (y / rms(y)) * g`` (the norm weight times LongCat's latent scale)."""
-    return adapter.kv_norm(attn).weight.detach().double() * adapter.latent_scale(attn)
+    """``g``, the ``kv_a_layernorm`` weight: the cache of the fused model is ``c diag(g)^-1 R S``.
+
+    LongCat's latent scale multiplies after the norm and stays in the fused model, so it stays in
+    ``c diag(g)^-1`` too: the quantiser sees exactly the tensor the fused model caches (its scale
+    and minimum are stored in fp16, so a constant factor is not exactly neutral).
+    """
+    return adapter.kv_norm(attn).weight.detach().double()
 
 
 def content_loss(

@@ -32,14 +32,18 @@ class DemoConfig:
     seed: int = 0
     calibrate_steps: int = 10  # a short QuantMLA calibration for the last low-bit scheme (0: skip)
     calibrate_seqs: int = 4
+    calibrate_model_steps: int = 5  # its model-level stage (the recipe: 150)
 
     def __post_init__(self) -> None:
         if not self.schemes:
             raise ValueError("give at least one scheme")
         for s in self.schemes:
             parse_scheme(s)
-        if self.calibrate_steps < 0 or self.calibrate_seqs < 1:
-            raise ValueError(f"calibrate_steps={self.calibrate_steps} must be >= 0 and calibrate_seqs >= 1")
+        if self.calibrate_steps < 0 or self.calibrate_seqs < 1 or self.calibrate_model_steps < 0:
+            raise ValueError(
+                f"calibrate_steps={self.calibrate_steps} and calibrate_model_steps={self.calibrate_model_steps} "
+                f"must be >= 0, calibrate_seqs={self.calibrate_seqs} >= 1"
+            )
         for name in ("seq_len", "num_seqs", "prompt_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -119,12 +123,14 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
 
         target = low_bit[-1]
         console.print(
-            f"short QuantMLA calibration for {target}: {cfg.calibrate_steps} steps per path on "
-            f"{cfg.calibrate_seqs} sequences (the paper recipe, `quantmla calibrate`, uses 300 steps on 128)"
+            f"short QuantMLA calibration for {target}: {cfg.calibrate_steps} steps per path and layer, "
+            f"{cfg.calibrate_model_steps} model-level steps, on {cfg.calibrate_seqs} sequences (the recipe, "
+            "`quantmla calibrate`, uses 300 and 150 steps on 128)"
         )
         calibrated, _ = calibrate(
             copy.deepcopy(model), tok, builtin_text("validation"), scheme=target, method="quantmla",
             steps=cfg.calibrate_steps, num_seqs=cfg.calibrate_seqs, val_seqs=2, seq_len=256, progress=True,
+            model_steps=cfg.calibrate_model_steps, sink=cfg.sink, recent=cfg.recent,
         )  # fmt: skip
         results.append(dataclasses.replace(ppl(calibrated, target), scheme=f"{target}+quantmla"))
     console.print(

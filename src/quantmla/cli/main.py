@@ -45,6 +45,7 @@ def demo(
     sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),
     recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
     calibrate_steps: int = typer.Option(10, min=0, help="Steps of the short QuantMLA calibration (0: skip)."),
+    calibrate_model_steps: int = typer.Option(5, min=0, help="Model-level steps of the short calibration."),
 ) -> None:
     """Perplexity, generation and bytes/token with BF16, FP8 and low-bit latent caches side by side."""
     from quantmla.cli.demo import DemoConfig, render
@@ -59,6 +60,7 @@ def demo(
             sink=sink,
             recent=recent,
             calibrate_steps=calibrate_steps,
+            calibrate_model_steps=calibrate_model_steps,
         )
         render(cfg, Console())
     except ValueError as e:
@@ -123,6 +125,11 @@ def calibrate(
     scheme: str = typer.Option("c4r4", help="Cache scheme to calibrate for (c4r4, c2r4, ...)."),
     method: str = typer.Option("quantmla", help="quantmla, rtn, smoothquant or quarot."),
     steps: int = typer.Option(300, min=0, help="Learning steps per path and layer (quantmla)."),
+    model_steps: int = typer.Option(
+        150, min=0, help="QuantMLA's model-level steps: all layers jointly against the model's output (0: skip)."
+    ),
+    model_lr: float = typer.Option(1e-3, min=0.0, help="Learning rate of the model-level stage."),
+    model_objective: str = typer.Option("kl", help="Model-level objective: kl (to full precision) or ce."),
     num_seqs: int = typer.Option(128, min=1, help="Calibration sequences."),
     val_seqs: int = typer.Option(32, min=1, help="Held-out sequences (best step)."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per sequence."),
@@ -150,7 +157,8 @@ def calibrate(
         m, tok = load(model, device=device)
         m, report = run_calibration(
             m, tok, body, scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs,
-            seq_len=seq_len, batch_size=batch_size, sink=sink, recent=recent, seed=seed,
+            seq_len=seq_len, batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps,
+            model_lr=model_lr, model_objective=model_objective,
         )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -166,6 +174,13 @@ def calibrate(
             f"{r['val_before']:.5f} -> {r['val_after']:.5f}",
         )
     Console().print(t)
+    ml = report.model_level
+    if ml is not None:
+        Console().print(
+            f"model level ({ml['objective']}, sink {ml['sink']} + recent {ml['recent']}): held-out "
+            + ", ".join(f"{k} {v:.3e}" for k, v in ml["start_val"].items())
+            + f"; start {ml['init']} -> {ml['val_after']:.3e} at step {ml['best_step']}"
+        )
     Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
 
 

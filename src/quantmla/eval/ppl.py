@@ -24,6 +24,8 @@ class PerplexityConfig:
     recent: int = 128
     group_size: int = 64
     batch_size: int = 8
+    kl: bool = False  # also the mean KL(full precision || quantised cache) of the next-token distributions
+    per_window: bool = False  # also each window's summed NLL (for paired comparisons between models)
 
     def __post_init__(self) -> None:
         parse_scheme(self.scheme)
@@ -50,6 +52,8 @@ class PerplexityResult:
     group_size: int
     bytes_per_token: float  # allocated cache bytes per token and layer at seq_len, BF16 windows
     bf16_bytes_per_token: float
+    kl: float | None = None  # per token, from the same model with a full-precision cache (PerplexityConfig.kl)
+    window_nll: list[float] | None = None  # summed NLL of each window (PerplexityConfig.per_window)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,15 +90,22 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         enable_latent_attention(model)
     windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs)
     device = next(model.parameters()).device
-    total, count = 0.0, 0
-    with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
-        batches = range(0, len(windows), cfg.batch_size)
-        for start in tqdm(batches, desc=f"ppl {cfg.scheme}", disable=not progress, unit="batch"):
-            x = windows[start : start + cfg.batch_size].to(device)
+    total, count, kl_sum, per_window = 0.0, 0, 0.0, []
+    batches = range(0, len(windows), cfg.batch_size)
+    for start in tqdm(batches, desc=f"ppl {cfg.scheme}", disable=not progress, unit="batch"):
+        x = windows[start : start + cfg.batch_size].to(device)
+        with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
             logits = model(x, use_cache=False).logits.float()
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-            total += float(nll)
-            count += x[:, 1:].numel()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none")
+        nll = nll.view(x.shape[0], -1).double().sum(1)
+        per_window += nll.tolist()
+        nll = nll.sum()
+        total += float(nll)
+        count += x[:, 1:].numel()
+        if cfg.kl:
+            ref = torch.log_softmax(model(x, use_cache=False).logits.float()[:, :-1], -1)
+            out = torch.log_softmax(logits[:, :-1], -1)
+            kl_sum += float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="sum"))
     nll = total / count
     bpt = measured_bytes_per_token(model.config, cfg.scheme, cfg.seq_len, cfg.sink, cfg.recent, cfg.group_size)
     bf16 = measured_bytes_per_token(model.config, "bf16", cfg.seq_len, cfg.sink, cfg.recent, cfg.group_size)
@@ -110,4 +121,6 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         group_size=cfg.group_size,
         bytes_per_token=bpt,
         bf16_bytes_per_token=bf16,
+        kl=kl_sum / count if cfg.kl else None,
+        window_nll=per_window if cfg.per_window else None,
     )

@@ -40,6 +40,13 @@ class SimulatedDecodeCache:
             return torch.ones(s, s, dtype=torch.bool, device=device)
         return (j < self.sink) | (j > t - self.recent)
 
+    def quantize(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latent and RoPE key as the cache stores them (dequantised)."""
+        return (
+            self.scheme.content.fake_quantize(latent, self.group_size),
+            self.scheme.rope.fake_quantize(rope_key, self.group_size),
+        )
+
     def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask) -> torch.Tensor:
         s, l_kv = q_nope.shape[-2], latent.shape[-2]
         if s != l_kv:
@@ -47,8 +54,7 @@ class SimulatedDecodeCache:
                 f"the decode-cache simulation scores a whole sequence in one forward (no cache); got {s} queries "
                 f"over {l_kv} keys. Call the model with use_cache=False."
             )
-        c_q = self.scheme.content.fake_quantize(latent, self.group_size)
-        k_q = self.scheme.rope.fake_quantize(rope_key, self.group_size)
+        c_q, k_q = self.quantize(latent, rope_key)
         q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
         acc = torch.promote_types(q_lat.dtype, torch.float32)
         s_hp = (q_lat @ latent.transpose(-1, -2) + q_pe @ rope_key.transpose(-1, -2)).to(acc)

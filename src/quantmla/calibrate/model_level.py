@@ -1,0 +1,215 @@
+"""Model-level stage of QuantMLA: pick and refine all layers' transforms against the model's output.
+
+The layer objectives (:mod:`quantmla.calibrate.objectives`) see one layer with clean inputs; the
+perplexity of the quantised model depends on how the errors of all layers compound. This stage
+holds every layer's transform as parameters, applies them in the original basis with the quantiser
+in the loop (straight-through estimator) and the cache exactly as decode sees it (the calibration's
+sink and recent windows, :class:`~quantmla.eval.simulate.SimulatedDecodeCache`), and minimises the
+KL divergence of the next-token distributions from the full-precision model's:
+
+* the start is the candidate set (the layer-local QuantMLA transforms, and each baseline's transforms
+  on every layer) with the lowest held-out KL, so QuantMLA's held-out KL is never worse than a
+  baseline's;
+* Adam on all layers' parameters jointly, best step on the held-out KL (step 0 counts).
+
+The model's weights stay frozen; the result is fused like any other transform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quantmla.calibrate.methods import ContentParam, RopeParam
+from quantmla.calibrate.objectives import ste_quantize
+from quantmla.eval.simulate import SimulatedDecodeCache
+from quantmla.models.latent import _STATE_ATTR
+from quantmla.quant.scheme import CacheScheme
+from quantmla.transforms.fuse import ContentTransform, RopeTransform
+
+OBJECTIVES = ("kl", "ce")
+
+
+@dataclass(frozen=True)
+class ModelLevelConfig:
+    steps: int = 100
+    lr: float = 1e-3  # Adam, cosine decay to 0
+    batch_size: int = 4
+    eval_every: int = 10
+    objective: str = "kl"  # kl: from the full-precision model's next-token distribution; ce: next-token loss
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"model-level objective={self.objective!r}; valid: {', '.join(OBJECTIVES)}")
+        if self.steps < 0 or self.lr <= 0 or self.batch_size < 1 or self.eval_every < 1:
+            raise ValueError(
+                f"model-level steps={self.steps} (>= 0), lr={self.lr} (> 0), batch_size={self.batch_size} (>= 1), "
+                f"eval_every={self.eval_every} (>= 1) out of range"
+            )
+
+
+class LayerPaths(nn.Module):
+    """One attention module's content and RoPE transforms as parameters, applied in the original basis."""
+
+    def __init__(self, content: ContentTransform, rope: RopeTransform, gain: torch.Tensor, pairs: torch.Tensor):
+        super().__init__()
+        self.content = ContentParam(content.rotation.double(), content.scales.double())
+        self.rope = RopeParam(pairs.shape[0], pairs)
+        with torch.no_grad():
+            self.rope.angles.copy_(rope.angles)
+            self.rope.log_scales.copy_(rope.log_scales)
+        self.register_buffer("gain", gain.double())
+
+    def set_(self, content: ContentTransform, rope: RopeTransform) -> None:
+        with torch.no_grad():
+            self.content.r0.copy_(content.rotation)
+            self.content.skew.zero_()
+            self.content.log_s.copy_(content.scales.double().log())
+            self.rope.angles.copy_(rope.angles)
+            self.rope.log_scales.copy_(rope.log_scales)
+
+    def transforms(self) -> tuple[ContentTransform, RopeTransform]:
+        with torch.no_grad():
+            u, _, vh = torch.linalg.svd(self.content.rotation())  # matrix_exp rounding: re-orthogonalise
+            rope = RopeTransform(self.rope.angles.detach().clone(), self.rope.log_scales.detach().clone())
+            return ContentTransform(u @ vh, self.content.scales().detach().clone()), rope
+
+    def quantize(self, latent, rope_key, scheme: CacheScheme, group_size: int):
+        dt, dev = latent.dtype, latent.device
+        g = self.gain.to(dev, dt)
+        rot, sc = self.content.rotation().to(dev, dt), self.content.scales().to(dev, dt)
+        c_t = ((latent / g) @ rot) * sc
+        c_hat = ((ste_quantize(c_t, scheme.content, group_size) / sc) @ rot.T) * g
+        t = self.rope.transform()
+        pairs = self.rope.pair_index
+        b = t.matrix(pairs).to(dev, dt)
+        b_inv = t.matrix(pairs, inverse_transpose=True).T.to(dev, dt)
+        k_hat = ste_quantize(rope_key @ b, scheme.rope, group_size) @ b_inv
+        return c_hat, k_hat
+
+
+@dataclass(frozen=True, eq=False)
+class TransformedDecodeCache(SimulatedDecodeCache):
+    """The decode-cache simulation with one layer's learnable transforms around the quantiser."""
+
+    paths: LayerPaths | None = None
+
+    def quantize(self, latent, rope_key):
+        return self.paths.quantize(latent, rope_key, self.scheme, self.group_size)
+
+
+class _Installed:
+    def __init__(self, modules, layers: dict[int, LayerPaths], scheme, group_size, sink, recent) -> None:
+        self.states = [getattr(attn, _STATE_ATTR) for _, attn in modules]
+        self.sims = [TransformedDecodeCache(scheme, group_size, sink, recent, paths=layers[idx]) for idx, _ in modules]
+
+    def __enter__(self):
+        for st, sim in zip(self.states, self.sims, strict=True):
+            st.simulation = sim
+
+    def __exit__(self, *exc):
+        for st in self.states:
+            st.simulation = None
+
+
+def _loss(model, x: torch.Tensor, install: _Installed, objective: str) -> torch.Tensor:
+    """Per-token mean of KL(p_full || p_quantised) (``kl``) or of the next-token loss (``ce``) over ``x``."""
+    with install:
+        out = torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
+    if objective == "ce":
+        return torch.nn.functional.nll_loss(out[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    with torch.no_grad():
+        ref = torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
+    return torch.nn.functional.kl_div(out.flatten(0, 1), ref.flatten(0, 1), log_target=True, reduction="batchmean")
+
+
+def _mean_loss(model, windows, install, cfg: ModelLevelConfig, device) -> float:
+    with torch.no_grad():
+        parts = [
+            float(_loss(model, w.to(device), install, cfg.objective)) * len(w)
+            for w in torch.split(windows, cfg.batch_size)
+        ]
+    return sum(parts) / len(windows)
+
+
+def refine(
+    model: nn.Module,
+    modules: list[tuple[int, nn.Module]],
+    starts: dict[str, dict[int, tuple[ContentTransform, RopeTransform]]],
+    gains: dict[int, torch.Tensor],
+    pairs: dict[int, torch.Tensor],
+    train_w: torch.Tensor,
+    val_w: torch.Tensor,
+    scheme: CacheScheme,
+    group_size: int,
+    sink: int,
+    recent: int,
+    cfg: ModelLevelConfig,
+    trainable: tuple[str, ...] = ("content", "rope"),
+    progress: bool = True,
+) -> tuple[dict[int, tuple[ContentTransform, RopeTransform]], dict]:
+    """Best start by the held-out objective, then joint Adam on every layer's transforms.
+
+    Returns the best step's transforms per cache index and a report.
+
+    ``trainable``: the paths whose parameters learn (the others keep their start).
+    """
+    if not starts:
+        raise ValueError("refine needs at least one start")
+    bad = [t for t in trainable if t not in ("content", "rope")]
+    if bad:
+        raise ValueError(f"trainable paths {bad}; valid: ('content', 'rope')")
+    device = next(model.parameters()).device
+    first = next(iter(starts.values()))
+    layers = {idx: LayerPaths(*first[idx], gains[idx], pairs[idx]).to(device) for idx, _ in modules}
+    install = _Installed(modules, layers, scheme, group_size, sink, recent)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        start_loss = {}
+        for name, start in starts.items():
+            for idx, lp in layers.items():
+                lp.set_(*start[idx])
+            start_loss[name] = _mean_loss(model, val_w, install, cfg, device)
+        init = min(start_loss, key=start_loss.get)
+        for idx, lp in layers.items():
+            lp.set_(*starts[init][idx])
+        params = [p for lp in layers.values() for path in trainable for p in getattr(lp, path).parameters()]
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(cfg.steps, 1))
+        snap = lambda: {idx: lp.transforms() for idx, lp in layers.items()}  # noqa: E731
+        best = (start_loss[init], 0, snap())
+        history = [(0, start_loss[init])]
+        g = torch.Generator().manual_seed(0)
+        bar = tqdm(range(1, cfg.steps + 1), desc=f"model-level {cfg.objective}", unit="step", disable=not progress)
+        for step in bar:
+            pick = torch.randint(0, len(train_w), (cfg.batch_size,), generator=g)
+            loss = _loss(model, train_w[pick].to(device), install, cfg.objective)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                v = _mean_loss(model, val_w, install, cfg, device)
+                history.append((step, v))
+                bar.set_postfix(val=f"{v:.3e}", best=f"{best[0]:.3e}")
+                if v < best[0]:
+                    best = (v, step, snap())
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    report = {
+        "objective": cfg.objective,
+        "start_val": start_loss,
+        "init": init,
+        "val_after": best[0],
+        "best_step": best[1],
+        "history": history,
+        "sink": sink,
+        "recent": recent,
+    }
+    return best[2], report

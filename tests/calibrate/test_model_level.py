@@ -1,0 +1,119 @@
+"""QuantMLA's model-level stage: the transforms it learns in the original basis are the fused model's."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from quantmla import enable_latent_attention
+from quantmla.calibrate import calibrate
+from quantmla.calibrate.model_level import LayerPaths, ModelLevelConfig, _Installed, refine
+from quantmla.calibrate.objectives import latent_gain
+from quantmla.eval.simulate import simulated_decode
+from quantmla.models import get_adapter
+from quantmla.models.tiny import tiny_model
+from quantmla.quant.scheme import parse_scheme
+from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
+
+
+def _float64_norm(self, x):
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _setup(name):
+    model = enable_latent_attention(tiny_model(name, dtype=torch.float64))
+    adapter = get_adapter(model)
+    for _, attn in adapter.attention_modules(model):  # transformers' RMSNorm computes in float32
+        norm = adapter.kv_norm(attn)
+        norm.forward = types.MethodType(_float64_norm, norm)
+    g = torch.Generator().manual_seed(1)
+    dims = adapter.dims(model.config)
+    transforms = {
+        idx: (
+            ContentTransform(
+                random_orthogonal(dims.kv_lora_rank, g),
+                torch.exp(0.5 * torch.randn(dims.kv_lora_rank, generator=g)).double(),
+            ),
+            RopeTransform(
+                torch.rand(dims.rope_dim // 2, generator=g).double() * 6.28,
+                0.5 * torch.randn(dims.rope_dim // 2, generator=g).double(),
+            ),
+        )
+        for idx, _ in adapter.attention_modules(model)
+    }
+    return model, adapter, transforms
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "longcat_flash"])
+def test_transforms_in_the_original_basis_equal_the_fused_model(name):
+    """The quantised cache seen through LayerPaths (unfused model) = the fused model's quantised cache."""
+    model, adapter, transforms = _setup(name)
+    scheme = parse_scheme("c4r4")
+    modules = list(adapter.attention_modules(model))
+    layers = {
+        idx: LayerPaths(*transforms[idx], latent_gain(adapter, attn), adapter.rope_layout(model.config).cache_pairs(
+            attn.qk_rope_head_dim))
+        for idx, attn in modules
+    }  # fmt: skip
+    ids = torch.randint(3, 256, (2, 40))
+    with torch.no_grad():
+        with _Installed(modules, layers, scheme, 16, sink=2, recent=8):
+            ours = model(ids, use_cache=False).logits
+        fused = fuse_transforms(
+            copy.deepcopy(model), {i: t[0] for i, t in transforms.items()}, {i: t[1] for i, t in transforms.items()}
+        )
+        with simulated_decode(fused, scheme, group_size=16, sink=2, recent=8):
+            ref = fused(ids, use_cache=False).logits
+        with simulated_decode(model, scheme, group_size=16, sink=2, recent=8):
+            untransformed = model(ids, use_cache=False).logits
+    assert (ours - ref).abs().max().item() <= 1e-9
+    assert (untransformed - ref).abs().max().item() > 1e-4  # the transforms change the quantised cache
+
+
+def test_refine_never_worse_than_its_best_start_and_learns():
+    model, adapter, transforms = _setup("deepseek_v3")
+    model = model.float()
+    modules = list(adapter.attention_modules(model))
+    ident = {
+        idx: (ContentTransform(torch.eye(t[0].rotation.shape[0]), torch.ones(t[0].scales.shape)),
+              RopeTransform(torch.zeros_like(t[1].angles), torch.zeros_like(t[1].angles)))
+        for idx, t in transforms.items()
+    }  # fmt: skip
+    gains = {idx: latent_gain(adapter, attn) for idx, attn in modules}
+    pairs = {idx: adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim) for idx, attn in modules}
+    g = torch.Generator().manual_seed(0)
+    train, val = torch.randint(3, 256, (8, 32), generator=g), torch.randint(3, 256, (4, 32), generator=g)
+    cfg = ModelLevelConfig(steps=6, lr=1e-2, batch_size=2, eval_every=2)
+    out, rep = refine(
+        model, modules, {"identity": ident, "random": transforms}, gains, pairs, train, val, parse_scheme("c2r4"),
+        16, 0, 0, cfg, progress=False,
+    )  # fmt: skip
+    assert rep["init"] == min(rep["start_val"], key=rep["start_val"].get)
+    assert rep["val_after"] <= rep["start_val"][rep["init"]]
+    assert [s for s, _ in rep["history"]] == [0, 2, 4, 6]
+    assert all(p.requires_grad for p in model.parameters())  # the model's flags are restored
+    assert len({v for _, v in rep["history"]}) == 4  # every evaluation saw different parameters
+    start = (transforms if rep["init"] == "random" else ident)[0][1].angles.double()
+    assert torch.equal(out[0][1].angles, start) == (rep["best_step"] == 0)
+
+
+def test_model_level_config_errors():
+    with pytest.raises(ValueError, match="valid: kl, ce"):
+        ModelLevelConfig(objective="mse")
+    with pytest.raises(ValueError, match="lr=0"):
+        ModelLevelConfig(lr=0)
+
+
+def test_layer_stage_is_reused_and_checked():
+    ids = torch.randint(0, 100, (6, 32), generator=torch.Generator().manual_seed(0))
+    cfg = dict(scheme="c4r4", steps=2, num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)
+    _, rep = calibrate(tiny_model("deepseek_v3"), None, ids, model_steps=2, sink=0, recent=0, **cfg)
+    assert rep.model_level["sink"] == 0 and len(rep.model_level["history"]) == 2
+    assert all("val_final" in row["content"] for row in rep.layers)
+    _, rep2 = calibrate(
+        tiny_model("deepseek_v3"), None, ids, model_steps=2, sink=4, recent=8, layer_stage=rep.layer_stage, **cfg
+    )
+    assert rep2.layer_stage is rep.layer_stage and rep2.model_level["recent"] == 8
+    with pytest.raises(ValueError, match="different config"):
+        calibrate(tiny_model("deepseek_v3"), None, ids, layer_stage=rep.layer_stage, **{**cfg, "steps": 3})
