@@ -117,6 +117,7 @@ def main() -> None:
                     stage_file.parent.mkdir(parents=True, exist_ok=True)
                     torch.save(stage, stage_file)
             if args.layer_stage_only:
+                dump()  # the layer stage's time
                 break
             for sink, recent in evals:
                 row = {
