@@ -99,6 +99,9 @@ def calibrate(
     ``texts``: a string, a list of strings (joined), or token windows ``[N, T]``; keyword arguments
     are :class:`CalibrationConfig` fields (``scheme``, ``method``, ``steps``, ``num_seqs``, ...).
     The model keeps its full-precision function exactly; only the basis of each cached path changes.
+    ``method="quantmla"`` runs the layer stage (per layer and path, the paper's objectives) and then
+    the model stage (:mod:`quantmla.calibrate.model_level`, ``model_steps`` > 0): all layers jointly
+    against the KL from the full-precision model, with the cache as decode sees it (``sink``, ``recent``).
     ``layer_stage``: ``report.layer_stage`` of an earlier run on the same (unfused) model, data and
     config up to ``sink``, ``recent`` and the model-level fields; it skips the layer-local stage.
     """
