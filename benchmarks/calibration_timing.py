@@ -1,4 +1,4 @@
-"""Seconds per layer of QuantMLA calibration at DeepSeek-V2-Lite's attention shape (random weights).
+"""Seconds per layer of QuantMLA's layer stage at DeepSeek-V2-Lite's attention shape (random weights).
 
 Paper recipe by default: 300 steps per path (from the best-validating start of each path),
 128 calibration + 32 held-out sequences; here of 2048 tokens. One decoder layer is built.
@@ -44,6 +44,7 @@ def main() -> None:
         val_seqs=args.val_seqs,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
+        model_steps=0,  # the layer stage only: the model stage is whole-model (model_stage_timing.py)
     )
     sec = time.perf_counter() - t0
     print(
