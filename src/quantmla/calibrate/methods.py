@@ -71,6 +71,18 @@ class ContentParam(nn.Module):
     def scales(self) -> torch.Tensor:
         return torch.exp(self.log_s)
 
+    @torch.no_grad()
+    def set_(self, t: ContentTransform) -> None:
+        self.r0.copy_(t.rotation)
+        self.skew.zero_()
+        self.log_s.copy_(t.scales.double().log())
+
+    @torch.no_grad()
+    def transform(self) -> ContentTransform:
+        """The current transform; matrix_exp's rounding is removed by re-orthogonalising (polar factor)."""
+        u, _, vh = torch.linalg.svd(self.rotation())
+        return ContentTransform(u @ vh, self.scales().clone())
+
 
 class RopeParam(nn.Module):
     def __init__(self, pairs: int, pair_index: torch.Tensor) -> None:
@@ -81,6 +93,15 @@ class RopeParam(nn.Module):
 
     def transform(self) -> RopeTransform:
         return RopeTransform(self.angles, self.log_scales)
+
+    @torch.no_grad()
+    def set_(self, t: RopeTransform) -> None:
+        self.angles.copy_(t.angles)
+        self.log_scales.copy_(t.log_scales)
+
+    @torch.no_grad()
+    def snapshot(self) -> RopeTransform:
+        return RopeTransform(self.angles.clone(), self.log_scales.clone())
 
 
 def _mean_loss(fn, batches: list[LayerBatch]) -> float:
@@ -139,12 +160,9 @@ def content_transform(
     init, r0, s0 = min(candidates, key=lambda c: _mean_loss(loss_of(c[1], ones if c[2] is None else c[2]), val))
     p = ContentParam(r0, s0)
     v, step = learn(p, loss_of(p.rotation, p.scales), train, val, cfg)
-    rot, sc = p.rotation().detach(), p.scales().detach()
-    # the learned rotation is orthogonal up to matrix_exp's rounding: re-orthogonalise before fusing
-    u, _, vh = torch.linalg.svd(rot)
     info = {"val_before": base, "val_after": v, "best_step": step, "init": init}
     info["candidates"] = {name: ContentTransform(r, ones if s is None else s) for name, r, s in candidates}
-    return ContentTransform(u @ vh, sc), info
+    return p.transform(), info
 
 
 def rope_transform(
@@ -161,7 +179,7 @@ def rope_transform(
     zeros = torch.zeros(n, dtype=torch.float64)
 
     def loss_of(t: RopeTransform):
-        return lambda b: rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
+        return lambda b: rope_loss(b, t.matrix(pairs), t.inverse_matrix(pairs), fmt, group_size)
 
     ident = RopeTransform(zeros, zeros)
     base = _mean_loss(loss_of(ident), val)
@@ -180,15 +198,13 @@ def rope_transform(
     starts = (("identity", ident), ("smooth", smooth), ("quarot", quarot))
     init, start = min(starts, key=lambda c: _mean_loss(loss_of(c[1]), val))  # the best start is trained
     p = RopeParam(n, pairs)
-    with torch.no_grad():
-        p.angles.copy_(start.angles)
-        p.log_scales.copy_(start.log_scales)
+    p.set_(start)
 
     def live(b):
         t = p.transform()
-        return rope_loss(b, t.matrix(pairs), t.matrix(pairs, inverse_transpose=True).T, fmt, group_size)
+        return rope_loss(b, t.matrix(pairs), t.inverse_matrix(pairs), fmt, group_size)
 
     v, step = learn(p, live, train, val, cfg)
-    t = RopeTransform(p.angles.detach().clone(), p.log_scales.detach().clone())
+    t = p.snapshot()
     info = {"val_before": base, "val_after": v, "best_step": step, "init": init, "candidates": dict(starts)}
     return t, info

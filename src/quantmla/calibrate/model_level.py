@@ -24,8 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quantmla.calibrate.methods import ContentParam, RopeParam
-from quantmla.calibrate.objectives import ste_quantize
-from quantmla.eval.simulate import SimulatedDecodeCache
+from quantmla.calibrate.objectives import quantize_content, quantize_rope
+from quantmla.eval.simulate import SimulatedDecodeCache, installed
 from quantmla.models.latent import _STATE_ATTR
 from quantmla.quant.scheme import CacheScheme
 from quantmla.transforms.fuse import ContentTransform, RopeTransform
@@ -58,36 +58,21 @@ class LayerPaths(nn.Module):
         super().__init__()
         self.content = ContentParam(content.rotation.double(), content.scales.double())
         self.rope = RopeParam(pairs.shape[0], pairs)
-        with torch.no_grad():
-            self.rope.angles.copy_(rope.angles)
-            self.rope.log_scales.copy_(rope.log_scales)
         self.register_buffer("gain", gain.double())
+        self.set_(content, rope)
 
     def set_(self, content: ContentTransform, rope: RopeTransform) -> None:
-        with torch.no_grad():
-            self.content.r0.copy_(content.rotation)
-            self.content.skew.zero_()
-            self.content.log_s.copy_(content.scales.double().log())
-            self.rope.angles.copy_(rope.angles)
-            self.rope.log_scales.copy_(rope.log_scales)
+        self.content.set_(content)
+        self.rope.set_(rope)
 
     def transforms(self) -> tuple[ContentTransform, RopeTransform]:
-        with torch.no_grad():
-            u, _, vh = torch.linalg.svd(self.content.rotation())  # matrix_exp rounding: re-orthogonalise
-            rope = RopeTransform(self.rope.angles.detach().clone(), self.rope.log_scales.detach().clone())
-            return ContentTransform(u @ vh, self.content.scales().detach().clone()), rope
+        return self.content.transform(), self.rope.snapshot()
 
     def quantize(self, latent, rope_key, scheme: CacheScheme, group_size: int):
-        dt, dev = latent.dtype, latent.device
-        g = self.gain.to(dev, dt)
-        rot, sc = self.content.rotation().to(dev, dt), self.content.scales().to(dev, dt)
-        c_t = ((latent / g) @ rot) * sc
-        c_hat = ((ste_quantize(c_t, scheme.content, group_size) / sc) @ rot.T) * g
-        t = self.rope.transform()
-        pairs = self.rope.pair_index
-        b = t.matrix(pairs).to(dev, dt)
-        b_inv = t.matrix(pairs, inverse_transpose=True).T.to(dev, dt)
-        k_hat = ste_quantize(rope_key @ b, scheme.rope, group_size) @ b_inv
+        c_hat = quantize_content(latent, self.gain, self.content.rotation(), self.content.scales(), scheme.content,
+                                 group_size)  # fmt: skip
+        t, pairs = self.rope.transform(), self.rope.pair_index
+        k_hat = quantize_rope(rope_key, t.matrix(pairs), t.inverse_matrix(pairs), scheme.rope, group_size)
         return c_hat, k_hat
 
 
@@ -102,17 +87,19 @@ class TransformedDecodeCache(SimulatedDecodeCache):
 
 
 class _Installed:
+    """Each module attends through its layer's :class:`TransformedDecodeCache` while entered (re-enterable)."""
+
     def __init__(self, modules, layers: dict[int, LayerPaths], scheme, group_size, sink, recent) -> None:
         self.states = [getattr(attn, _STATE_ATTR) for _, attn in modules]
         self.sims = [TransformedDecodeCache(scheme, group_size, sink, recent, paths=layers[idx]) for idx, _ in modules]
+        self._ctx = None
 
     def __enter__(self):
-        for st, sim in zip(self.states, self.sims, strict=True):
-            st.simulation = sim
+        self._ctx = installed(self.states, self.sims)
+        self._ctx.__enter__()
 
     def __exit__(self, *exc):
-        for st in self.states:
-            st.simulation = None
+        return self._ctx.__exit__(*exc)
 
 
 def _loss(model, x: torch.Tensor, install: _Installed, objective: str) -> torch.Tensor:

@@ -65,6 +65,20 @@ def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int
     return out
 
 
+def quantize_content(c, g, rotation, scales, fmt: PathFormat, group_size: int) -> torch.Tensor:
+    """``c`` quantised (STE) in the basis ``c diag(g)^-1 R S`` the fused model caches, mapped back."""
+    dt, dev = c.dtype, c.device
+    g, rotation, scales = g.to(dev, dt), rotation.to(dev, dt), scales.to(dev, dt)
+    c_t = ((c / g) @ rotation) * scales
+    return ((ste_quantize(c_t, fmt, group_size) / scales) @ rotation.T) * g
+
+
+def quantize_rope(k, b, b_inv, fmt: PathFormat, group_size: int) -> torch.Tensor:
+    """The RoPE key quantised (STE) in the basis ``k B`` the fused model caches, mapped back with ``B^-1``."""
+    dt, dev = k.dtype, k.device
+    return ste_quantize(k @ b.to(dev, dt), fmt, group_size) @ b_inv.to(dev, dt)
+
+
 def latent_gain(adapter: MLAAdapter, attn: nn.Module) -> torch.Tensor:
     """``g``, the ``kv_a_layernorm`` weight: the cache of the fused model is ``c diag(g)^-1 R S``.
 
@@ -79,12 +93,7 @@ def content_loss(
     batch: LayerBatch, g: torch.Tensor, rotation: torch.Tensor, scales: torch.Tensor, fmt: PathFormat, group_size: int
 ) -> torch.Tensor:
     """Normalised attention-output error with the content path quantised in the transformed basis."""
-    dt = batch.c.dtype
-    dev = batch.c.device
-    g, rotation, scales = g.to(dev, dt), rotation.to(dev, dt), scales.to(dev, dt)
-    c_tilde = batch.c / g
-    c_t = (c_tilde @ rotation) * scales
-    c_hat = ((ste_quantize(c_t, fmt, group_size) / scales) @ rotation.T) * g
+    c_hat = quantize_content(batch.c, g, rotation, scales, fmt, group_size)
     out = run_attention(batch.call, delta_c=c_hat - batch.c)[0]
     return (out - batch.out).pow(2).sum() / batch.out.pow(2).sum()
 
@@ -94,8 +103,7 @@ def rope_loss(
 ) -> torch.Tensor:
     """Normalised causal q.k error with the RoPE key quantised in the transformed basis."""
     k = batch.r[:, 0]  # [B, T, d_r]
-    dt = k.dtype
-    k_hat = ste_quantize(k @ b.to(k.device, dt), fmt, group_size) @ b_inv.to(k.device, dt)
+    k_hat = quantize_rope(k, b, b_inv, fmt, group_size)
     q = batch.q_pe  # [B, H, T, d_r]
     t = k.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=k.device).tril()

@@ -76,16 +76,23 @@ class SimulatedDecodeCache:
 
 
 @contextmanager
+def installed(states: list, sims: list) -> Iterator[None]:
+    """Within the block, each latent-attention module state attends through its simulation."""
+    for st, sim in zip(states, sims, strict=True):
+        st.simulation = sim
+    try:
+        yield
+    finally:
+        for st in states:
+            st.simulation = None
+
+
+@contextmanager
 def simulated_decode(
     model: nn.Module, scheme: str | CacheScheme, group_size: int = 64, sink: int = 4, recent: int = 128
 ) -> Iterator[SimulatedDecodeCache]:
     """Within the block, forwards of ``model`` (latent attention enabled) see the cache as decode does."""
     sim = SimulatedDecodeCache(parse_scheme(scheme), group_size, sink, recent)
     states = module_states(model)
-    for st in states:
-        st.simulation = sim
-    try:
+    with installed(states, [sim] * len(states)):
         yield sim
-    finally:
-        for st in states:
-            st.simulation = None

@@ -62,6 +62,10 @@ class RopeTransform:
                 out[pairs[:, a], pairs[:, b]] = m[:, a, b]
         return out
 
+    def inverse_matrix(self, pairs: torch.Tensor) -> torch.Tensor:
+        """``B^-1`` (maps the cached ``k B`` back to ``k``)."""
+        return self.matrix(pairs, inverse_transpose=True).T
+
 
 @torch.no_grad()
 def fuse_content(adapter: MLAAdapter, attn: nn.Module, t: ContentTransform) -> None:
