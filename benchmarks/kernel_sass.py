@@ -107,16 +107,19 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
     ap.add_argument("--top", type=int, default=16, help="most frequent instructions to list")
-    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (more blocks per SM)")
+    ap.add_argument(
+        "--maxnreg", type=int, default=None, help="register cap per thread; default: the library's, 0: none"
+    )
     ap.add_argument("--loop", action="store_true", help="also count the hot loop's instructions (one tile)")
     args = ap.parse_args()
     for bits in args.bits:
         tuned = default_launch(args.block_h, bits)
         warps, stages = args.warps or tuned["num_warps"], args.stages or tuned["num_stages"]
+        cap = tuned["maxnreg"] if args.maxnreg is None else (args.maxnreg or None)
         if bits == 16:
-            k = bf16(args.block_h, warps, stages, maxnreg=args.maxnreg)
+            k = bf16(args.block_h, warps, stages, maxnreg=cap)
         else:
-            k = lowbit(bits, args.block_h, warps, stages, maxnreg=args.maxnreg)
+            k = lowbit(bits, args.block_h, warps, stages, maxnreg=cap)
         r = report(k)
         name = "bf16" if bits == 16 else f"c{bits}r4"
         print(f"{name} block_h={args.block_h} warps={warps} stages={stages}: {r['registers']} registers, "

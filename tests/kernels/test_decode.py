@@ -145,6 +145,8 @@ def test_launcher_rejects_bad_inputs():
         mla_decode(q, qr, store, bt, n_paged, 0.1, window=window)
     with pytest.raises(ValueError, match="int32"):
         mla_decode(q, qr, store, bt.long(), n_paged, 0.1)
+    with pytest.raises(ValueError, match="maxnreg=300"):
+        mla_decode(q, qr, store, bt, n_paged, 0.1, maxnreg=300)
 
 
 def test_left_padding_masks():

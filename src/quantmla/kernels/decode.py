@@ -224,10 +224,14 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
-    """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep)."""
+    """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep and
+    benchmarks/decode_variants.py). ``maxnreg`` caps registers per thread: for INT2 content at
+    h <= 16 a cap of 168 fits three blocks per SM at the cost of a small spill (1.04x at B=32, 64K);
+    INT4 content spills more under the same cap and loses (0.95x)."""
     if content_bits != 16:  # the low-bit kernel: no software pipelining (registers, not copies, bound it)
-        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=1)
-    return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2)
+        cap = 168 if content_bits == 2 and block_h <= 16 else None
+        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=1, maxnreg=cap)
+    return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2, maxnreg=None)
 
 
 def mla_decode(
@@ -244,6 +248,7 @@ def mla_decode(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     paged_start: torch.Tensor | None = None,
     window_skip: torch.Tensor | None = None,
@@ -257,8 +262,9 @@ def mla_decode(
             (sinks and recent window) and their count per sequence, joined into the same softmax.
         paged_start / window_skip: ``[B]`` int32; paged tokens before ``paged_start`` and window rows
             before ``window_skip`` are masked out (left padding). Default: nothing masked.
-        num_splits, block_t, block_h, num_warps, num_stages: launch parameters; ``None`` takes
-            :func:`default_num_splits` / :func:`default_launch` (tuned on H200).
+        num_splits, block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
+            :func:`default_num_splits` / :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts
+            the default register cap of the paged kernel.
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
@@ -288,6 +294,8 @@ def mla_decode(
     window_skip = zeros if window_skip is None else window_skip
     if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
         raise ValueError("paged_start and window_skip must be int32")
+    if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:
+        raise ValueError(f"maxnreg={maxnreg}: a register cap must be 64..255, 0 (no cap) or None (the default)")
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(H)))
     hg = triton.cdiv(H, block_h)
@@ -298,6 +306,8 @@ def mla_decode(
     num_warps = num_warps or tuned["num_warps"]
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     stages = {} if interpret else {"num_stages": num_stages or tuned["num_stages"]}
+    cap = tuned["maxnreg"] if maxnreg is None else (maxnreg or None)
+    paged_regs = {"maxnreg": cap} if cap and not interpret else {}
     nsp = ns + (window is not None)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
@@ -313,13 +323,13 @@ def mla_decode(
             q_lat, q_pe, cw, csm, rw, rsm, *common,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16,
-            num_warps=num_warps, **stages,
+            num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[(B, ns, hg)](
             q_lat, q_pe, store.content, *common,
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
-            num_warps=num_warps, **stages,
+            num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
     if window is not None:
