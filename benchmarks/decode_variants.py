@@ -235,12 +235,23 @@ def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps,
     _, csm, rw, rsm = store.kernel_views()
     cw = content.view(torch.int32 if lay.content_bits == 4 else torch.int16)
     kw = {} if interpret else dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    if getattr(kernel, "fn", None) is not None and kernel.__class__.__module__.startswith("triton.experimental"):
+        kernel[(B, num_splits, 1)](
+            q, qr, cw, csm, rw, rsm, bt, n_paged, torch.zeros(B, dtype=torch.int32, device=dev), op, lp, H,
+            bt.shape[1], num_splits, num_splits, scale * 1.4426950408889634, DC=DC, DR=lay.rope_dim, G=lay.group_size,
+            PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, **kw,
+        )  # fmt: skip
+        return _combine(op, lp, B, H, DC, num_splits, dev)
     kernel[(B, num_splits, 1)](
         q, qr, cw, csm, rw, rsm, bt, n_paged, torch.zeros(B, dtype=torch.int32, device=dev), op, lp, H,
         bt.shape[1], num_splits, num_splits, scale * 1.4426950408889634, DC=DC, DR=lay.rope_dim, G=lay.group_size,
         PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, ASM_OK=not interpret,
         DT=tl.float32 if interpret else tl.float16, **kw,
     )  # fmt: skip
+    return _combine(op, lp, B, H, DC, num_splits, dev)
+
+
+def _combine(op, lp, B, H, DC, num_splits, dev):
     o = torch.empty(B, H, DC, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     _combine_kernel[(B, H)](op, lp, o, lse, H, num_splits, DC=DC, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -250,7 +261,7 @@ def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps,
 
 # (kernel, warps, stages, maxnreg): the library kernel's launch variants, then the sliced kernel
 VARIANTS = [("lib", 4, 1, None), ("lib", 8, 1, None), ("lib", 8, 1, 128), ("lib", 4, 1, 168), ("lib", 4, 2, None),
-            ("sliced", 4, 1, None), ("sliced", 4, 2, None)]  # fmt: skip
+            ("sliced", 4, 1, None), ("sliced", 4, 2, None), ("gluon", 4, 1, None)]  # fmt: skip
 
 
 def main() -> None:
@@ -262,6 +273,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-sm", type=float, nargs="*", default=[8.0], help="programs per SM (library default 8)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated kernel names to run (lib, sliced, gluon)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = 1 / math.sqrt(192)
@@ -279,7 +291,14 @@ def main() -> None:
                 base = (q, qr, store, bt, n_paged, scale)
                 rows.append((scheme, "library default (mla_decode)", bench(lambda b=base: mla_decode(*b)), 0.0))
             for name, warps, stages, maxnreg in VARIANTS:
-                kern, content = (_lowbit_kernel, store.content) if name == "lib" else (_sliced_kernel, sliced)
+                if args.only and name not in args.only.split(","):
+                    continue
+                if name == "gluon":  # GPU only: Gluon has no CPU interpreter
+                    from decode_gluon import _gluon_sliced_kernel as kern
+
+                    content = sliced
+                else:
+                    kern, content = (_lowbit_kernel, store.content) if name == "lib" else (_sliced_kernel, sliced)
                 for per_sm in args.per_sm:
                     ns = max(1, min(bt.shape[1], math.ceil(per_sm * 132 / B)))
                     a = (kern, q, qr, store, content, bt, n_paged, scale, ns, warps, stages, maxnreg)

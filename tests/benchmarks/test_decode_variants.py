@@ -90,3 +90,22 @@ def test_slice_asm_uses_each_elements_own_scale(word_bits, bits, first):
                 # fp16 scale and minimum, code * s + m rounded once to fp16 (float64 is exact before it)
                 want = float(np.float16(code * float(np.float16(s)) + float(np.float16(m))))
                 assert got[e] == want, (k, e, got[e], want)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels compile for the GPU only (no CPU interpreter)")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_gluon_sliced_kernel_matches_library_kernel(bits):
+    from decode_attention import random_store
+    from decode_gluon import _gluon_sliced_kernel
+
+    from quantmla.kernels.decode import mla_decode
+
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    store, bt, _ = random_store(f"c{bits}r4", 3, 1000, g)
+    n_paged = torch.tensor([1000, 5, 777], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 16, 512, device="cuda", generator=g).bfloat16()
+    qr = torch.randn(3, 16, 64, device="cuda", generator=g).bfloat16()
+    o_ref, lse_ref = mla_decode(q, qr, store, bt, n_paged, 0.07)
+    o, lse = launch(_gluon_sliced_kernel, q, qr, store, repack(store), bt, n_paged, 0.07, 4, 4, 1)
+    assert torch.nn.functional.cosine_similarity(o.float().flatten(), o_ref.float().flatten(), dim=0) > 0.9999
+    assert torch.allclose(lse, lse_ref, atol=1e-3, rtol=1e-4)
