@@ -16,6 +16,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+# a CTA barrier: ``gl.barrier`` in newer Triton, ``gl.thread_barrier`` in the GPU image's 3.6
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
 
 @gluon.jit
 def _idx3(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, layout: gl.constexpr):
@@ -65,8 +68,15 @@ def _gluon_sliced_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, mma))  # [BLOCK_H] vectors
-    cols_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, mma))  # [BLOCK_T] vectors
+    # the slices' partial scores are summed through shared memory, swizzled so that neither the mma
+    # layout's stores nor the row-wise loads conflict; each warp then owns 4 of the 16 head rows
+    red: gl.constexpr = gl.BlockedLayout([NSL, 1, 2], [1, 1, 32], [1, 4, 1], [2, 1, 0])
+    sm: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, red))  # [BLOCK_H] vectors
+    cols_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, red))  # [BLOCK_T] vectors
+    acc_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, mma))
+    buf = gl.allocate_shared_memory(gl.float32, [NSL, BLOCK_H, BLOCK_T], sm)
+    pz = gl.zeros([NSL, BLOCK_H, BLOCK_T], gl.float16, layout=la)
 
     # queries: A operands [NSL, BLOCK_H, PW], one per 16-channel plane of each slice
     s_a, h_a, e_a = _idx3(NSL, BLOCK_H, PW, la)
@@ -136,16 +146,18 @@ def _gluon_sliced_kernel(
         s3 = mma_v2(q6, c6, s3)
         s3 = mma_v2(q7, c7, s3)
         s3 = mma_v2(qr, r, s3)
-        qk = gl.sum(s3, 0) * scale_log2  # the slices' partial scores, summed across warps
+        buf.store(s3)
+        _barrier()
+        qk = gl.sum(buf.load(red), 0) * scale_log2  # the slices' partial scores, summed
+        _barrier()  # every warp has read before the next tile's store
         tm = gl.expand_dims(((p * PAGE + tt) < n) & ((p * PAGE + tt) >= kstart), 0)
         qk = gl.where(tm, qk, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(qk, 1))
         alpha = gl.exp2(m_i - m_new)
         pr = gl.exp2(qk - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(pr, 1)
-        p3, _ = gl.broadcast(gl.expand_dims(pr.to(gl.float16), 0), s3)
-        p3 = gl.convert_layout(p3, la)
-        al3 = gl.expand_dims(gl.expand_dims(alpha, 1), 0)
+        p3, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(pr.to(gl.float16), gl.SliceLayout(0, la)), 0), pz)
+        al3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(alpha, acc_rows), 1), 0)
         # p c: the same words again, in the B layout with pairs along tokens
         tv = p * PAGE + t_v
         mv = (tv < n) & (tv >= kstart) & (s_v >= 0) & (e_v >= 0)
@@ -170,7 +182,7 @@ def _gluon_sliced_kernel(
         m_i = m_new
 
     has = l_i > 0
-    inv = gl.expand_dims(gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 1), 0)
+    inv = gl.expand_dims(gl.expand_dims(gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), acc_rows), 1), 0)
     lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     heads = hg * BLOCK_H + gl.arange(0, BLOCK_H, layout=rows_l)
     gl.store(LP + (b * NSP + split) * H + heads, lse, mask=heads < H)
