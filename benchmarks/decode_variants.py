@@ -33,7 +33,7 @@ import triton.language as tl
 
 from quantmla.kernels.decode import _combine_kernel, _split_pages
 from quantmla.kernels.layout import CONTENT_PLANES, pack_words, unpack_words
-from quantmla.kernels.unpack import _half_magic
+from quantmla.kernels.unpack import _plane_ref, code_lines
 
 SLICES = 4  # one per warp
 
@@ -54,20 +54,7 @@ def slice_asm(word_bits: int, bits: int, first: int, count: int) -> tuple[str, s
     else:
         src, sm = f"${P}", P + 1
     lines += [f"prmt.b32 s, ${sm}, ${sm + 1}, 0x5410;", f"prmt.b32 m, ${sm}, ${sm + 1}, 0x7632;"]
-    shifted, base = src, 0
-    for i in range(count):
-        j = j0 + i
-        bit = j * bits - base
-        if bit + bits > 10:
-            lines.append(f"shr.b32 v, {src}, {j * bits};")
-            shifted, base, bit = "v", j * bits, 0
-        mask, magic = ((1 << bits) - 1) << bit, _half_magic(bit)
-        lines += [
-            f"lop3.b32 ${i}, {shifted}, {mask | mask << 16:#010x}, {magic | magic << 16:#010x}, 0xea;",
-            f"mov.b32 c, {magic | magic << 16:#010x};",
-            f"sub.f16x2 ${i}, ${i}, c;",
-            f"fma.rn.f16x2 ${i}, ${i}, s, m;",
-        ]
+    lines += code_lines(src, range(j0, j0 + count), bits, [f"${i}" for i in range(P)], ["s"] * P, ["m"] * P)
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * P + ["r"] * ((2 if word_bits == 32 else 1) + 2))
 
@@ -82,10 +69,8 @@ R4_0, R4_0_C = tl.constexpr(_A[16, 4, 0, 1][0]), tl.constexpr(_A[16, 4, 0, 1][1]
 
 @triton.jit
 def _ref_plane(w, sm, k: tl.constexpr, BITS: tl.constexpr):
-    x = ((w >> (BITS * k)) & ((1 << BITS) - 1)).to(tl.float32)
-    s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    m = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return (x * s + m).to(tl.float16).to(tl.float32)
+    """The interpreter path: the library's reference dequantisation, scale in the low half of ``sm``."""
+    return _plane_ref(w, sm, sm >> 16, k, BITS).to(tl.float32)
 
 
 @triton.jit
@@ -224,7 +209,7 @@ def repack(store) -> torch.Tensor:
 
 
 def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps, stages, maxnreg=None):
-    """One paged pass of ``kernel`` (the library's ``_lowbit_kernel`` or ``_sliced_kernel``, reading
+    """One paged pass of ``kernel`` (the library's ``_lowbit_kernel``, ``_sliced_kernel`` or the Gluon one, reading
     ``content``) and the combine pass; no window. Returns ``(o [B, H, d_c] bf16, lse [B, H])``."""
     lay = store.layout
     B, H, DC = q.shape
@@ -235,23 +220,13 @@ def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps,
     _, csm, rw, rsm = store.kernel_views()
     cw = content.view(torch.int32 if lay.content_bits == 4 else torch.int16)
     kw = {} if interpret else dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    if getattr(kernel, "fn", None) is not None and kernel.__class__.__module__.startswith("triton.experimental"):
-        kernel[(B, num_splits, 1)](
-            q, qr, cw, csm, rw, rsm, bt, n_paged, torch.zeros(B, dtype=torch.int32, device=dev), op, lp, H,
-            bt.shape[1], num_splits, num_splits, scale * 1.4426950408889634, DC=DC, DR=lay.rope_dim, G=lay.group_size,
-            PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, **kw,
-        )  # fmt: skip
-        return _combine(op, lp, B, H, DC, num_splits, dev)
+    if not type(kernel).__module__.startswith("triton.experimental"):  # Triton kernels; Gluon ones take neither
+        kw.update(ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16)
     kernel[(B, num_splits, 1)](
         q, qr, cw, csm, rw, rsm, bt, n_paged, torch.zeros(B, dtype=torch.int32, device=dev), op, lp, H,
         bt.shape[1], num_splits, num_splits, scale * 1.4426950408889634, DC=DC, DR=lay.rope_dim, G=lay.group_size,
-        PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, ASM_OK=not interpret,
-        DT=tl.float32 if interpret else tl.float16, **kw,
+        PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, **kw,
     )  # fmt: skip
-    return _combine(op, lp, B, H, DC, num_splits, dev)
-
-
-def _combine(op, lp, B, H, DC, num_splits, dev):
     o = torch.empty(B, H, DC, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     _combine_kernel[(B, H)](op, lp, o, lse, H, num_splits, DC=DC, BLOCK_S=triton.next_power_of_2(num_splits),

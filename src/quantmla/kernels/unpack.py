@@ -28,6 +28,27 @@ def _half_magic(bit: int) -> int:
     return (25 - bit) << 10
 
 
+def code_lines(src: str, codes: range, bits: int, outs: list[str], scales: list[str], mins: list[str]) -> list[str]:
+    """PTX that turns codes ``codes`` of each 16-bit half of register ``src`` (code ``j`` at bit
+    ``j * bits``) into ``f16x2`` registers ``outs``: ``lop3`` (mask + exponent), ``sub.f16x2`` (exact),
+    ``fma.rn.f16x2`` with ``scales[i]`` / ``mins[i]``. Uses scratch registers ``v`` and ``c``."""
+    lines, shifted, base = [], src, 0
+    for i, j in enumerate(codes):
+        bit = j * bits - base
+        if bit + bits > 10:  # leave the mantissa: shift the rest of the half down
+            lines.append(f"shr.b32 v, {src}, {j * bits};")
+            shifted, base, bit = "v", j * bits, 0
+        mask = ((1 << bits) - 1) << bit
+        magic = _half_magic(bit)
+        lines += [
+            f"lop3.b32 {outs[i]}, {shifted}, {mask | mask << 16:#010x}, {magic | magic << 16:#010x}, 0xea;",
+            f"mov.b32 c, {magic | magic << 16:#010x};",
+            f"sub.f16x2 {outs[i]}, {outs[i]}, c;",
+            f"fma.rn.f16x2 {outs[i]}, {outs[i]}, {scales[i]}, {mins[i]};",
+        ]
+    return lines
+
+
 def _plane_asm(word_bits: int, bits: int, planes: int) -> str:
     """PTX for one call: inputs two words and, per plane, ``(s, s)`` and ``(m, m)`` as ``f16x2``
     (int32 inputs broadcast along the row: with ``pack=2`` each arrives as two registers holding
@@ -45,25 +66,11 @@ def _plane_asm(word_bits: int, bits: int, planes: int) -> str:
         first_scale = P + 1
     first_min = first_scale + 2 * P
     per_half = 16 // bits  # codes of one word-half
-    k = 0
-    for src in sources:
-        shifted = src
-        base = 0  # bit of the half where the current 10-bit window starts
-        for j in range(per_half):
-            bit = j * bits - base
-            if bit + bits > 10:  # leave the mantissa: shift the rest of the half down
-                lines.append(f"shr.b32 v, {src}, {j * bits};")
-                shifted, base, bit = "v", j * bits, 0
-            mask = ((1 << bits) - 1) << bit
-            magic = _half_magic(bit)
-            lines += [
-                f"lop3.b32 ${k}, {shifted}, {mask | mask << 16:#010x}, {magic | magic << 16:#010x}, 0xea;",
-                f"mov.b32 c, {magic | magic << 16:#010x};",
-                f"sub.f16x2 ${k}, ${k}, c;",
-                f"fma.rn.f16x2 ${k}, ${k}, ${first_scale + 2 * k}, ${first_min + 2 * k};",
-            ]
-            k += 1
-    assert k == P, (k, P)
+    for h, src in enumerate(sources):
+        ks = range(h * per_half, (h + 1) * per_half)
+        lines += code_lines(src, range(per_half), bits, [f"${k}" for k in ks],
+                            [f"${first_scale + 2 * k}" for k in ks], [f"${first_min + 2 * k}" for k in ks])  # fmt: skip
+    assert len(sources) * per_half == P, (len(sources) * per_half, P)
     lines.append("}")
     return "\n".join(lines)
 
