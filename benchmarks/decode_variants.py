@@ -234,9 +234,10 @@ def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps,
     return o, lse
 
 
-# (kernel, warps, stages, maxnreg): the library kernel's launch variants, then the sliced kernel
+# (kernel, warps, stages, maxnreg): the library kernel's launch variants, the sliced
+# kernel (Triton, Gluon) and the transposed warpgroup-MMA kernel (Gluon, decode_wgmma.py)
 VARIANTS = [("lib", 4, 1, None), ("lib", 8, 1, None), ("lib", 8, 1, 128), ("lib", 4, 1, 168), ("lib", 4, 2, None),
-            ("sliced", 4, 1, None), ("sliced", 4, 2, None), ("gluon", 4, 1, None)]  # fmt: skip
+            ("sliced", 4, 1, None), ("sliced", 4, 2, None), ("gluon", 4, 1, None), ("wgmma", 4, 1, None)]  # fmt: skip
 
 
 def main() -> None:
@@ -248,7 +249,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-sm", type=float, nargs="*", default=[8.0], help="programs per SM (library default 8)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated kernel names to run (lib, sliced, gluon)")
+    ap.add_argument("--only", default=None, help="comma-separated kernel names to run (lib, sliced, gluon, wgmma)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = 1 / math.sqrt(192)
@@ -272,6 +273,10 @@ def main() -> None:
                     from decode_gluon import _gluon_sliced_kernel as kern
 
                     content = sliced
+                elif name == "wgmma":  # GPU only, the library's packing
+                    from decode_wgmma import _wgmma_lowbit_kernel as kern
+
+                    content = store.content
                 else:
                     kern, content = (_lowbit_kernel, store.content) if name == "lib" else (_sliced_kernel, sliced)
                 for per_sm in args.per_sm:

@@ -49,11 +49,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument(
+        "--kernel",
+        default="lib",
+        choices=("lib", "wgmma"),
+        help="lib: mla_decode; wgmma: the experimental Gluon kernel of decode_wgmma.py (16 heads)",
+    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     store, bt, n_paged = random_store(args.scheme, args.batch, args.context, gen)
     q = torch.randn(args.batch, args.heads, DC, device="cuda", generator=gen).bfloat16()
     qr = torch.randn(args.batch, args.heads, DR, device="cuda", generator=gen).bfloat16()
+    if args.kernel == "wgmma":
+        from decode_variants import launch
+        from decode_wgmma import _wgmma_lowbit_kernel
+
+        ns = max(1, min(bt.shape[1], math.ceil(8 * 132 / args.batch)))
+        for _ in range(args.launches):
+            launch(_wgmma_lowbit_kernel, q, qr, store, store.content, bt, n_paged, 1 / math.sqrt(192), ns, 4, 1)
+        torch.cuda.synchronize()
+        return
     for _ in range(args.launches):
         mla_decode(q, qr, store, bt, n_paged, 1 / math.sqrt(192))
     torch.cuda.synchronize()

@@ -92,6 +92,34 @@ def test_slice_asm_uses_each_elements_own_scale(word_bits, bits, first):
                 assert got[e] == want, (k, e, got[e], want)
 
 
+@pytest.mark.parametrize("word_bits,bits,first,count", [(32, 4, 0, 2), (32, 4, 6, 2), (16, 2, 2, 2), (16, 2, 4, 4)])
+def test_planes_asm_uses_each_planes_own_scale(word_bits, bits, first, count):
+    """The wgmma kernel's unpack: planes of a word pair of one token, each plane its own (scale, minimum)."""
+    pytest.importorskip("triton.experimental.gluon", reason="the wgmma kernel's module imports Gluon")
+    from decode_wgmma import planes_asm
+
+    asm, cons = planes_asm(word_bits, bits, first, count)
+    assert cons.count("=r") == count
+    emulate = _emulate()
+    rng = np.random.default_rng(word_bits * 10 + bits + first + count)
+    nw = 2 if word_bits == 32 else 1
+    for _ in range(20):
+        words = [int(x) for x in rng.integers(0, 2**word_bits, 2)]
+        s, m = rng.uniform(0.01, 2, count), rng.uniform(-4, 4, count)
+        ops = {count + i: w for i, w in enumerate(words if nw == 2 else [words[0] | words[1] << 16])}
+        for i in range(count):  # (s, s) and (m, m) per plane, each input as two equal registers (pack=2)
+            ops[count + nw + 2 * i] = ops[count + nw + 2 * i + 1] = _f16x2(s[i], s[i])
+            ops[count + nw + 2 * count + 2 * i] = ops[count + nw + 2 * count + 2 * i + 1] = _f16x2(m[i], m[i])
+        out = emulate(asm, ops)
+        for i in range(count):
+            k = first + i
+            got = np.array([out[f"${i}"]], np.uint32).view(np.float16).astype(np.float64)
+            for e, w in enumerate(words):
+                code = (w >> (bits * k)) & ((1 << bits) - 1)
+                want = float(np.float16(code * float(np.float16(s[i])) + float(np.float16(m[i]))))
+                assert got[e] == want, (k, e, got[e], want)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Gluon kernels compile for the GPU only (no CPU interpreter)")
 @pytest.mark.parametrize("bits", [4, 2])
 def test_gluon_sliced_kernel_matches_library_kernel(bits):
@@ -109,3 +137,26 @@ def test_gluon_sliced_kernel_matches_library_kernel(bits):
     o, lse = launch(_gluon_sliced_kernel, q, qr, store, repack(store), bt, n_paged, 0.07, 4, 4, 1)
     assert torch.nn.functional.cosine_similarity(o.float().flatten(), o_ref.float().flatten(), dim=0) > 0.9999
     assert torch.allclose(lse, lse_ref, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Gluon kernels compile for the GPU only (no CPU interpreter)")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_wgmma_kernel_matches_reference(bits):
+    """The transposed warpgroup-MMA kernel (decode_wgmma.py) against the fp32 reference on the
+    dequantised cache: awkward lengths, a one-token sequence and splits left without pages."""
+    from decode_attention import random_store
+    from decode_wgmma import _wgmma_lowbit_kernel
+
+    from quantmla.kernels.reference import mla_decode_reference
+
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    store, bt, _ = random_store(f"c{bits}r4", 5, 1000, g)
+    n_paged = torch.tensor([1000, 5, 777, 64, 1], dtype=torch.int32, device="cuda")
+    q = torch.randn(5, 16, 512, device="cuda", generator=g).bfloat16()
+    qr = torch.randn(5, 16, 64, device="cuda", generator=g).bfloat16()
+    o_ref, lse_ref = mla_decode_reference(q, qr, store, bt, n_paged, 0.07)
+    o, lse = launch(_wgmma_lowbit_kernel, q, qr, store, store.content, bt, n_paged, 0.07, 4, 4, 1)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    err = (o.float() - o_ref).norm(dim=-1) / o_ref.norm(dim=-1)
+    assert float(err.max()) < 1e-2, float(err.max())  # bf16 output, fp16 operands
+    assert torch.allclose(lse, lse_ref, atol=2e-3, rtol=1e-4)
