@@ -38,23 +38,28 @@ from quantmla.kernels.unpack import _plane_ref, code_lines
 SLICES = 4  # one per warp
 
 
+def half_word_source(word_bits: int, bits: int, first: int, count: int) -> tuple[list[str], str, int]:
+    """The common start of the unpack PTX of ``count`` codes from ``first`` of a pair of words (operands
+    ``$count..``): the codes must lie in one half-word; for 32-bit words a ``prmt`` gathers that half
+    of both words into ``hw``. Returns ``(lines, source register, first operand after the words)``."""
+    half, j0 = divmod(first, 16 // bits)
+    if j0 + count > 16 // bits:
+        raise ValueError("the codes of one call must lie in one half-word")
+    if word_bits == 32:
+        return [f"prmt.b32 hw, ${count}, ${count + 1}, {0x5410 if half == 0 else 0x7632:#x};"], "hw", count + 2
+    return [], f"${count}", count + 1
+
+
 def slice_asm(word_bits: int, bits: int, first: int, count: int) -> tuple[str, str]:
     """PTX: codes ``first .. first + count - 1`` of a pair of words (one half of each 32-bit word, or a
     16-bit word each) to ``count`` f16x2 registers, with each pair element's own scale and minimum
     (its int32 scale|minimum word), so the pair may span two tokens."""
-    per_half = 16 // bits
-    half, j0 = divmod(first, per_half)
-    if j0 + count > per_half:
-        raise ValueError("the codes of one call must lie in one half-word")
     P = count
-    lines = ["{", ".reg .b32 hw, v, c, s, m;"]
-    if word_bits == 32:
-        lines.append(f"prmt.b32 hw, ${P}, ${P + 1}, {0x5410 if half == 0 else 0x7632:#x};")
-        src, sm = "hw", P + 2
-    else:
-        src, sm = f"${P}", P + 1
+    pre, src, sm = half_word_source(word_bits, bits, first, count)
+    lines = ["{", ".reg .b32 hw, v, c, s, m;", *pre]
     lines += [f"prmt.b32 s, ${sm}, ${sm + 1}, 0x5410;", f"prmt.b32 m, ${sm}, ${sm + 1}, 0x7632;"]
-    lines += code_lines(src, range(j0, j0 + count), bits, [f"${i}" for i in range(P)], ["s"] * P, ["m"] * P)
+    codes = range(first % (16 // bits), first % (16 // bits) + count)
+    lines += code_lines(src, codes, bits, [f"${i}" for i in range(P)], ["s"] * P, ["m"] * P)
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * P + ["r"] * ((2 if word_bits == 32 else 1) + 2))
 

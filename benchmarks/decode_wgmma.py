@@ -26,6 +26,7 @@ are stored to their channels.
 
 from __future__ import annotations
 
+from decode_variants import half_word_source
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -42,19 +43,12 @@ def planes_asm(word_bits: int, bits: int, first: int, count: int) -> tuple[str, 
     """PTX: planes ``first .. first + count - 1`` of a pair of words of one token (two 32-bit words,
     or two 16-bit words in one register) to ``count`` ``f16x2`` registers, each plane with its own
     ``(s, s)`` and ``(m, m)`` (int32 inputs; with ``pack=2`` each arrives as two equal registers)."""
-    per_half = 16 // bits
-    half, j0 = divmod(first, per_half)
-    if j0 + count > per_half:
-        raise ValueError("the planes of one call must lie in one half-word")
     P = count
-    lines = ["{", ".reg .b32 hw, v, c;"]
-    if word_bits == 32:
-        lines.append(f"prmt.b32 hw, ${P}, ${P + 1}, {0x5410 if half == 0 else 0x7632:#x};")
-        src, s0 = "hw", P + 2
-    else:
-        src, s0 = f"${P}", P + 1
+    pre, src, s0 = half_word_source(word_bits, bits, first, count)
+    lines = ["{", ".reg .b32 hw, v, c;", *pre]
     m0 = s0 + 2 * P
-    lines += code_lines(src, range(j0, j0 + P), bits, [f"${i}" for i in range(P)],
+    codes = range(first % (16 // bits), first % (16 // bits) + count)
+    lines += code_lines(src, codes, bits, [f"${i}" for i in range(P)],
                         [f"${s0 + 2 * i}" for i in range(P)], [f"${m0 + 2 * i}" for i in range(P)])  # fmt: skip
     lines.append("}")
     return "\n".join(lines), ",".join(["=r"] * P + ["r"] * ((2 if word_bits == 32 else 1) + 4 * P))
