@@ -3,8 +3,9 @@
 Experimental, GPU only (Gluon has no CPU interpreter); ``decode_variants.py --only wgmma`` checks it
 against the library kernel on the same cache before timing it, and ``tests/benchmarks`` against the
 fp32 reference. It reads the library's own packing (group-planar words, :mod:`quantmla.kernels.layout`).
-Measured on the H200 at h=16, B=32, 64K: 694.8 / 601.1 us (C4R4 / C2R4) against the library kernel's
-642.5 / 558.0 in the same run (``BENCHMARKS.md``), so it is not wired into the library.
+Measured on the H200 at h=16, B=32, 64K: 640.4 / 605.3 us (C4R4 / C2R4) against the library kernel's
+644.8 / 560.1 in the same run (``BENCHMARKS.md``): level for INT4, behind for INT2, so it is not wired
+into the library.
 
 With 16 heads the tensor-core products are tall along the tokens, so both run transposed, with the
 64 tokens (or channels) on the 64-row side of ``wgmma``:
