@@ -3,10 +3,14 @@ dialect), so that nothing goes through shared memory except the cross-warp sum o
 
 Experimental, GPU only (Gluon has no CPU interpreter): ``decode_variants.py`` checks it against the
 library kernel on the same cache before timing it. Each of the 4 warps owns a 128-channel slice of the
-latent (slice-planar packing, :func:`decode_variants.repack`); the packed words are loaded from global
-memory straight into the register layouts of the two tensor-core products (``mma.sync`` operand B of
-``q c^T`` with the pair of values along channels, and of ``p c`` with the pair along tokens) and
-unpacked there by the same PTX as the Triton sliced kernel.
+latent (slice-planar packing, :func:`decode_variants.repack`). The packed words are loaded from global
+memory straight into the register layout of the ``mma.sync`` B operand of ``q c^T`` (the pair of values
+along channels) and unpacked there by the same PTX as the Triton sliced kernel, once; the B operand of
+``p c`` (the pair along tokens) is the same registers with each 8x8 block transposed inside the warp by
+``movmatrix`` (:func:`_transpose_blocks`). A page is processed in sub-tiles of 32 tokens, so that a
+sub-tile's fp16 values stay in registers between the two products. (Unpacking twice, once per
+product's layout, measured 726.3 / 686.1 us for C4R4 / C2R4; this version 670.9 / 631.5 us, against
+the library kernel's 645.9 / 560.7 in the same run: ``BENCHMARKS.md``.)
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ def _idx2(n0: gl.constexpr, n1: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def split_pages(NPAGED, KSTART, b, split, NS, PAGE: gl.constexpr):
+    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split."""
+    n = gl.load(NPAGED + b)
+    kstart = gl.load(KSTART + b)
+    npages = gl.cdiv(n, PAGE)
+    per = gl.cdiv(npages, NS)
+    p0 = split * per
+    return n, kstart, p0, gl.minimum(p0 + per, npages)
+
+
+@gluon.jit
 def _planes4(w, sm, HI: gl.constexpr, CBITS: gl.constexpr):
     if CBITS == 4:
         if HI == 0:
@@ -52,12 +67,31 @@ def _planes4(w, sm, HI: gl.constexpr, CBITS: gl.constexpr):
     return gl.inline_asm_elementwise(C2_HI, C2_HI_C, [w, sm], dtype=(gl.float16,) * 4, is_pure=True, pack=2)
 
 
+MOVT = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+@gluon.jit
+def _transpose_blocks(c, lb: gl.constexpr):
+    """``c [NSL, 16 channels, T tokens]``, the ``q c^T`` B operand (pairs along channels), as the
+    ``p c`` B operand ``[NSL, T, 16]`` (pairs along tokens): ``movmatrix`` transposes each 8x8 block
+    held by the warp, which leaves block (channels cb, tokens tb) holding at (i, j) the value of
+    token 8 tb + i, channel 8 cb + j; the rest is a relabelling of registers."""
+    NSL: gl.constexpr = c.shape[0]
+    T: gl.constexpr = c.shape[2]
+    y = gl.inline_asm_elementwise(MOVT, "=r,r", [c], dtype=gl.float16, is_pure=True, pack=2)
+    y = gl.permute(gl.reshape(y, [NSL, 2, 8, T // 8, 8]), (0, 3, 2, 1, 4))  # (slice, tb, i, cb, j)
+    return gl.convert_layout(gl.reshape(y, [NSL, T, 16]), lb, assert_trivial=True)
+
+
 @gluon.jit
 def _gluon_sliced_kernel(
     Q, QR, CW, CSM, RW, RSM, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: gl.constexpr, DR: gl.constexpr, G: gl.constexpr, PAGE: gl.constexpr, BLOCK_T: gl.constexpr,
-    BLOCK_H: gl.constexpr, CBITS: gl.constexpr,
+    BLOCK_H: gl.constexpr, CBITS: gl.constexpr, SUB: gl.constexpr = 32,
 ):  # fmt: skip
+    """One page per iteration, in sub-tiles of ``SUB`` tokens: unpack once, ``q c^T``, the scores summed
+    across the slices, softmax, then ``p c`` on the same fp16 values transposed by ``movmatrix``."""
+    gl.static_assert(BLOCK_T == PAGE, "one page per iteration, in sub-tiles of SUB tokens")
     b = gl.program_id(0)
     split = gl.program_id(1)
     hg = gl.program_id(2)
@@ -70,13 +104,13 @@ def _gluon_sliced_kernel(
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     # the slices' partial scores are summed through shared memory, swizzled so that neither the mma
     # layout's stores nor the row-wise loads conflict; each warp then owns 4 of the 16 head rows
-    red: gl.constexpr = gl.BlockedLayout([NSL, 1, 2], [1, 1, 32], [1, 4, 1], [2, 1, 0])
+    red: gl.constexpr = gl.BlockedLayout([NSL, 1, SUB // 32], [1, 1, 32], [1, 4, 1], [2, 1, 0])
     sm: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, red))  # [BLOCK_H] vectors
-    cols_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, red))  # [BLOCK_T] vectors
+    cols_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, red))  # [SUB] vectors
     acc_rows: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, mma))
-    buf = gl.allocate_shared_memory(gl.float32, [NSL, BLOCK_H, BLOCK_T], sm)
-    pz = gl.zeros([NSL, BLOCK_H, BLOCK_T], gl.float16, layout=la)
+    buf = gl.allocate_shared_memory(gl.float32, [NSL, BLOCK_H, SUB], sm)
+    pz = gl.zeros([NSL, BLOCK_H, SUB], gl.float16, layout=la)
 
     # queries: A operands [NSL, BLOCK_H, PW], one per 16-channel plane of each slice
     s_a, h_a, e_a = _idx3(NSL, BLOCK_H, PW, la)
@@ -93,20 +127,13 @@ def _gluon_sliced_kernel(
     q7 = gl.load(qb + 7 * PW, mask=qm, other=0.0).to(gl.float16)
     qr = gl.load(QR + (b * H + heads_a) * DR + s_a * PW + e_a, mask=qm, other=0.0).to(gl.float16)
 
-    # B operands: [NSL, PW, BLOCK_T] for q c^T (pairs along channels), [NSL, BLOCK_T, PW] for p c
-    s_q, e_q, t_q = _idx3(NSL, PW, BLOCK_T, lb)
-    s_v, t_v, e_v = _idx3(NSL, BLOCK_T, PW, lb)
+    # B operand of q c^T: [NSL, PW, SUB] (pairs along channels)
+    s_q, e_q, t_q = _idx3(NSL, PW, SUB, lb)
     # per-(slice, token) scale words, loaded once per token and broadcast over the channels
-    s_q2, t_q2 = _idx2(NSL, BLOCK_T, gl.SliceLayout(1, lb))
-    s_v2, t_v2 = _idx2(NSL, BLOCK_T, gl.SliceLayout(2, lb))
-    tt = gl.arange(0, BLOCK_T, layout=cols_l)
+    s_q2, t_q2 = _idx2(NSL, SUB, gl.SliceLayout(1, lb))
+    tt = gl.arange(0, SUB, layout=cols_l)
 
-    n = gl.load(NPAGED + b)
-    kstart = gl.load(KSTART + b)
-    npages = gl.cdiv(n, PAGE)
-    per = gl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = gl.minimum(p0 + per, npages)
+    n, kstart, p0, p1 = split_pages(NPAGED, KSTART, b, split, NS, PAGE)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=rows_l)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=rows_l)
@@ -120,66 +147,55 @@ def _gluon_sliced_kernel(
     a7 = gl.zeros([NSL, BLOCK_H, PW], gl.float32, layout=mma)
     for p in range(p0, p1):
         page = gl.load(BT + b * MAXP + p).to(gl.int64)
-        # q c^T: words, scales and RoPE words in the B layout with pairs along channels
-        tq = p * PAGE + t_q
-        mq = (tq < n) & (tq >= kstart) & (s_q >= 0) & (e_q >= 0)
-        tokq = page * PAGE + t_q
-        w = gl.load(CW + (tokq * NSL + s_q) * PW + e_q, mask=mq, other=0)
-        tq2 = p * PAGE + t_q2
-        mq2 = (tq2 < n) & (tq2 >= kstart) & (s_q2 >= 0)
-        tokq2 = page * PAGE + t_q2
-        smq = CSM + tokq2 * NG + (s_q2 * SW) // G  # group of planes 0-3; planes 4-7: the next group
-        sa, _ = gl.broadcast(gl.expand_dims(gl.load(smq, mask=mq2, other=0), 1), w)
-        sb, _ = gl.broadcast(gl.expand_dims(gl.load(smq + (4 * PW) // G, mask=mq2, other=0), 1), w)
-        rsm, _ = gl.broadcast(gl.expand_dims(gl.load(RSM + tokq2 + s_q2 * 0, mask=mq2, other=0), 1), w)
-        rw = gl.load(RW + tokq * (DR // 4) + e_q + s_q * 0, mask=mq, other=0)
-        rw = rw >> (4 * s_q + e_q * 0).to(gl.int16)
-        r = gl.inline_asm_elementwise(R4_0, R4_0_C, [rw, rsm], dtype=gl.float16, is_pure=True, pack=2)
-        c0, c1, c2, c3 = _planes4(w, sa, 0, CBITS)
-        s3 = mma_v2(q0, c0, gl.zeros([NSL, BLOCK_H, BLOCK_T], gl.float32, layout=mma))
-        s3 = mma_v2(q1, c1, s3)
-        s3 = mma_v2(q2, c2, s3)
-        s3 = mma_v2(q3, c3, s3)
-        c4, c5, c6, c7 = _planes4(w, sb, 1, CBITS)
-        s3 = mma_v2(q4, c4, s3)
-        s3 = mma_v2(q5, c5, s3)
-        s3 = mma_v2(q6, c6, s3)
-        s3 = mma_v2(q7, c7, s3)
-        s3 = mma_v2(qr, r, s3)
-        buf.store(s3)
-        _barrier()
-        qk = gl.sum(buf.load(red), 0) * scale_log2  # the slices' partial scores, summed
-        _barrier()  # every warp has read before the next tile's store
-        tm = gl.expand_dims(((p * PAGE + tt) < n) & ((p * PAGE + tt) >= kstart), 0)
-        qk = gl.where(tm, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-        alpha = gl.exp2(m_i - m_new)
-        pr = gl.exp2(qk - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(pr, 1)
-        p3, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(pr.to(gl.float16), gl.SliceLayout(0, la)), 0), pz)
-        al3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(alpha, acc_rows), 1), 0)
-        # p c: the same words again, in the B layout with pairs along tokens
-        tv = p * PAGE + t_v
-        mv = (tv < n) & (tv >= kstart) & (s_v >= 0) & (e_v >= 0)
-        tokv = page * PAGE + t_v
-        w2 = gl.load(CW + (tokv * NSL + s_v) * PW + e_v, mask=mv, other=0)
-        tv2 = p * PAGE + t_v2
-        mv2 = (tv2 < n) & (tv2 >= kstart) & (s_v2 >= 0)
-        tokv2 = page * PAGE + t_v2
-        smv = CSM + tokv2 * NG + (s_v2 * SW) // G
-        sa2, _ = gl.broadcast(gl.expand_dims(gl.load(smv, mask=mv2, other=0), 2), w2)
-        sb2, _ = gl.broadcast(gl.expand_dims(gl.load(smv + (4 * PW) // G, mask=mv2, other=0), 2), w2)
-        v0, v1, v2, v3 = _planes4(w2, sa2, 0, CBITS)
-        a0 = mma_v2(p3, v0, a0 * al3)
-        a1 = mma_v2(p3, v1, a1 * al3)
-        a2 = mma_v2(p3, v2, a2 * al3)
-        a3 = mma_v2(p3, v3, a3 * al3)
-        v4, v5, v6, v7 = _planes4(w2, sb2, 1, CBITS)
-        a4 = mma_v2(p3, v4, a4 * al3)
-        a5 = mma_v2(p3, v5, a5 * al3)
-        a6 = mma_v2(p3, v6, a6 * al3)
-        a7 = mma_v2(p3, v7, a7 * al3)
-        m_i = m_new
+        for t0 in gl.static_range(0, PAGE, SUB):  # sub-tiles: the tile's fp16 values stay in registers
+            # q c^T: words, scales and RoPE words in the B layout with pairs along channels
+            tq = p * PAGE + t0 + t_q
+            mq = (tq < n) & (tq >= kstart) & (s_q >= 0) & (e_q >= 0)
+            tokq = page * PAGE + t0 + t_q
+            w = gl.load(CW + (tokq * NSL + s_q) * PW + e_q, mask=mq, other=0)
+            tq2 = p * PAGE + t0 + t_q2
+            mq2 = (tq2 < n) & (tq2 >= kstart) & (s_q2 >= 0)
+            tokq2 = page * PAGE + t0 + t_q2
+            smq = CSM + tokq2 * NG + (s_q2 * SW) // G  # group of planes 0-3; planes 4-7: the next group
+            sa, _ = gl.broadcast(gl.expand_dims(gl.load(smq, mask=mq2, other=0), 1), w)
+            sb, _ = gl.broadcast(gl.expand_dims(gl.load(smq + (4 * PW) // G, mask=mq2, other=0), 1), w)
+            rsm, _ = gl.broadcast(gl.expand_dims(gl.load(RSM + tokq2 + s_q2 * 0, mask=mq2, other=0), 1), w)
+            rw = gl.load(RW + tokq * (DR // 4) + e_q + s_q * 0, mask=mq, other=0)
+            rw = rw >> (4 * s_q + e_q * 0).to(gl.int16)
+            r = gl.inline_asm_elementwise(R4_0, R4_0_C, [rw, rsm], dtype=gl.float16, is_pure=True, pack=2)
+            c0, c1, c2, c3 = _planes4(w, sa, 0, CBITS)
+            s3 = mma_v2(q0, c0, gl.zeros([NSL, BLOCK_H, SUB], gl.float32, layout=mma))
+            s3 = mma_v2(q1, c1, s3)
+            s3 = mma_v2(q2, c2, s3)
+            s3 = mma_v2(q3, c3, s3)
+            c4, c5, c6, c7 = _planes4(w, sb, 1, CBITS)
+            s3 = mma_v2(q4, c4, s3)
+            s3 = mma_v2(q5, c5, s3)
+            s3 = mma_v2(q6, c6, s3)
+            s3 = mma_v2(q7, c7, s3)
+            s3 = mma_v2(qr, r, s3)
+            buf.store(s3)
+            _barrier()
+            qk = gl.sum(buf.load(red), 0) * scale_log2  # the slices' partial scores, summed
+            _barrier()  # every warp has read before the next tile's store
+            tm = gl.expand_dims(((p * PAGE + t0 + tt) < n) & ((p * PAGE + t0 + tt) >= kstart), 0)
+            qk = gl.where(tm, qk, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(qk, 1))
+            alpha = gl.exp2(m_i - m_new)
+            pr = gl.exp2(qk - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(pr, 1)
+            p3, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(pr.to(gl.float16), gl.SliceLayout(0, la)), 0), pz)
+            al3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(alpha, acc_rows), 1), 0)
+            # p c: the same fp16 values, each 8x8 block transposed inside the warp (movmatrix)
+            a0 = mma_v2(p3, _transpose_blocks(c0, lb), a0 * al3)
+            a1 = mma_v2(p3, _transpose_blocks(c1, lb), a1 * al3)
+            a2 = mma_v2(p3, _transpose_blocks(c2, lb), a2 * al3)
+            a3 = mma_v2(p3, _transpose_blocks(c3, lb), a3 * al3)
+            a4 = mma_v2(p3, _transpose_blocks(c4, lb), a4 * al3)
+            a5 = mma_v2(p3, _transpose_blocks(c5, lb), a5 * al3)
+            a6 = mma_v2(p3, _transpose_blocks(c6, lb), a6 * al3)
+            a7 = mma_v2(p3, _transpose_blocks(c7, lb), a7 * al3)
+            m_i = m_new
 
     has = l_i > 0
     inv = gl.expand_dims(gl.expand_dims(gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), acc_rows), 1), 0)

@@ -27,6 +27,7 @@ are stored to their channels.
 
 from __future__ import annotations
 
+from decode_gluon import split_pages
 from decode_variants import half_word_source
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -213,12 +214,7 @@ def _wgmma_lowbit_kernel(
     rw_s = gl.allocate_shared_memory(gl.int16, [BLOCK_T, RPW], flat)
     sm_s = gl.allocate_shared_memory(gl.int32, [16 * BLOCK_T], flat1)
 
-    n = gl.load(NPAGED + b)
-    kstart = gl.load(KSTART + b)
-    npages = gl.cdiv(n, PAGE)
-    per = gl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = gl.minimum(p0 + per, npages)
+    n, kstart, p0, p1 = split_pages(NPAGED, KSTART, b, split, NS, PAGE)
     if p0 < p1:
         _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, gl.load(BT + b * MAXP + p0).to(gl.int64), p0, n, kstart,
                PW, RPW, NG, CBITS)  # fmt: skip
