@@ -121,7 +121,6 @@ def _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, page, p, n, kstart, PW: gl.conste
     cl: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (PW // VEC), PW // VEC], [4, 1], [1, 0])
     rl: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
     sl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    sl1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # 64 words over 128 threads: replicated
     t = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, cl)), 1)
     e = gl.expand_dims(gl.arange(0, PW, layout=gl.SliceLayout(0, cl)), 0)
     ok = ((p * 64 + t) < n) & ((p * 64 + t) >= kstart) & (e >= 0)
@@ -135,7 +134,7 @@ def _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, page, p, n, kstart, PW: gl.conste
     t = i % 64
     ok = ((p * 64 + t) < n) & ((p * 64 + t) >= kstart)
     _async_load(sm_s.slice(0, NG * 64), CSM + (page * 64 + t) * NG + g, mask=ok)
-    t = gl.arange(0, 64, layout=sl1)
+    t = gl.arange(0, 64, layout=sl)  # 64 RoPE scale words over 128 threads: replicated
     ok = ((p * 64 + t) < n) & ((p * 64 + t) >= kstart)
     _async_load(sm_s.slice(NG * 64, 64), RSM + page * 64 + t, mask=ok)
     async_copy.commit_group()
