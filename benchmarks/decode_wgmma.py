@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from quantmla.kernels.unpack import R4_ASM, R4_CONS, code_lines
+from quantmla.kernels.unpack import R4_ASM, R4_CONS, SCALE_PAIRS_ASM, code_lines
 
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # cp.async into shared memory: ``async_load`` in newer Triton, ``async_copy_global_to_shared`` in 3.6
@@ -65,7 +65,6 @@ D20, D20_C = gl.constexpr(_D[16, 2, 0][0]), gl.constexpr(_D[16, 2, 0][1])
 D21, D21_C = gl.constexpr(_D[16, 2, 1][0]), gl.constexpr(_D[16, 2, 1][1])
 D22, D22_C = gl.constexpr(_D[16, 2, 2][0]), gl.constexpr(_D[16, 2, 2][1])
 D23, D23_C = gl.constexpr(_D[16, 2, 3][0]), gl.constexpr(_D[16, 2, 3][1])
-SCALE_PAIRS = gl.constexpr("prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;")
 
 
 @gluon.jit
@@ -78,28 +77,7 @@ def _perm(j):
 
 @gluon.jit
 def _pairs(sm):
-    return gl.inline_asm_elementwise(SCALE_PAIRS, "=r,=r,r", [sm], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _pair(w, sa, sb, ma, mb, K: gl.constexpr, CBITS: gl.constexpr):
-    """Planes ``2K`` and ``2K + 1`` of the words ``w``."""
-    args = [w, sa, sb, ma, mb]
-    if CBITS == 4:
-        if K == 0:
-            return gl.inline_asm_elementwise(D40, D40_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-        if K == 1:
-            return gl.inline_asm_elementwise(D41, D41_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-        if K == 2:
-            return gl.inline_asm_elementwise(D42, D42_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-        return gl.inline_asm_elementwise(D43, D43_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-    if K == 0:
-        return gl.inline_asm_elementwise(D20, D20_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-    if K == 1:
-        return gl.inline_asm_elementwise(D21, D21_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-    if K == 2:
-        return gl.inline_asm_elementwise(D22, D22_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
-    return gl.inline_asm_elementwise(D23, D23_C, args, dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+    return gl.inline_asm_elementwise(SCALE_PAIRS_ASM, "=r,=r,r", [sm], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -151,7 +129,7 @@ def _bsm(sm_s, k: gl.constexpr, like):
 
 @gluon.jit
 def _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw: gl.constexpr, la: gl.constexpr, K: gl.constexpr,
-           CBITS: gl.constexpr):  # fmt: skip
+           CBITS: gl.constexpr, ASM: gl.constexpr, CONS: gl.constexpr):  # fmt: skip
     """Planes ``2K``, ``2K + 1``: unpack, ``s^T += c q^T`` (waited for), and store them for ``p c``.
     INT4 words are read from the stage again for each step (32 registers kept live across the steps
     spill the loop's addresses: measured 694.8 vs 638.6 us); INT2 words (16 registers) are passed in."""
@@ -159,7 +137,9 @@ def _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw: gl.constexpr, la: gl.constexpr
         w = cw_s.load(lw)
     sa, ma = _bsm(sm_s, 2 * K, w)
     sb, mb = _bsm(sm_s, 2 * K + 1, w)
-    ca, cb = _pair(w, sa, sb, ma, mb, K, CBITS)
+    ca, cb = gl.inline_asm_elementwise(
+        ASM, CONS, [w, sa, sb, ma, mb], dtype=(gl.float16, gl.float16), is_pure=True, pack=2
+    )  # planes 2K, 2K + 1 (``planes_asm``)
     ca = _to_fragment(ca, la)
     cb = _to_fragment(cb, la)
     sT = warpgroup_mma(ca, q_smem.index(2 * K).permute((1, 0)), sT, is_async=True)
@@ -261,11 +241,63 @@ def _wgmma_lowbit_kernel(
         sT = warpgroup_mma(r2, qr_smem.index(2).permute((1, 0)), sT, is_async=True)
         sT = warpgroup_mma(r3, qr_smem.index(3).permute((1, 0)), sT, is_async=True)
         # two planes per step: with four, the live fragments spill (measured 1.37x slower)
-        sT = _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw, la, 0, CBITS)
+        sT = _step2(
+            w,
+            cw_s,
+            sm_s,
+            q_smem,
+            c_smem,
+            sT,
+            lw,
+            la,
+            0,
+            CBITS,
+            D40 if CBITS == 4 else D20,
+            D40_C if CBITS == 4 else D20_C,
+        )
         sT = warpgroup_mma_wait(0, deps=[sT, r0, r1, r2, r3])[0]
-        sT = _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw, la, 1, CBITS)
-        sT = _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw, la, 2, CBITS)
-        sT = _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw, la, 3, CBITS)
+        sT = _step2(
+            w,
+            cw_s,
+            sm_s,
+            q_smem,
+            c_smem,
+            sT,
+            lw,
+            la,
+            1,
+            CBITS,
+            D41 if CBITS == 4 else D21,
+            D41_C if CBITS == 4 else D21_C,
+        )
+        sT = _step2(
+            w,
+            cw_s,
+            sm_s,
+            q_smem,
+            c_smem,
+            sT,
+            lw,
+            la,
+            2,
+            CBITS,
+            D42 if CBITS == 4 else D22,
+            D42_C if CBITS == 4 else D22_C,
+        )
+        sT = _step2(
+            w,
+            cw_s,
+            sm_s,
+            q_smem,
+            c_smem,
+            sT,
+            lw,
+            la,
+            3,
+            CBITS,
+            D43 if CBITS == 4 else D23,
+            D43_C if CBITS == 4 else D23_C,
+        )
         _barrier()  # every thread has read the stage: prefetch the next page into it
         if p + 1 < p1:
             _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, gl.load(BT + b * MAXP + p + 1).to(gl.int64), p + 1, n, kstart,

@@ -86,6 +86,8 @@ _C4 = plane_asm_kernel_args(32, 4, 8)  # INT4 content: 8 planes in a 32-bit word
 _C2 = plane_asm_kernel_args(16, 2, 8)  # INT2 content: 8 planes in a 16-bit word
 _R4 = plane_asm_kernel_args(16, 4, 4)  # INT4 RoPE key: 4 planes in a 16-bit word
 C4_ASM, C4_CONS = tl.constexpr(_C4[0]), tl.constexpr(_C4[1])
+# int32 scale|minimum word to (s, s) and (m, m): outputs $0, $1, input $2
+SCALE_PAIRS_ASM = tl.constexpr("prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;")
 C2_ASM, C2_CONS = tl.constexpr(_C2[0]), tl.constexpr(_C2[1])
 R4_ASM, R4_CONS = tl.constexpr(_R4[0]), tl.constexpr(_R4[1])
 
@@ -95,9 +97,8 @@ def scale_pairs(sm, ASM_OK: tl.constexpr):
     """``sm`` int32 (fp16 scale in the low half, minimum in the high half) to ``(s, s)``, ``(m, m)``."""
     if ASM_OK:
         return tl.inline_asm_elementwise(
-            "prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;", "=r,=r,r", [sm],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=1,
-        )  # fmt: skip
+            SCALE_PAIRS_ASM, "=r,=r,r", [sm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
+        )
     else:
         lo = sm & 0xFFFF
         hi = (sm >> 16) & 0xFFFF
