@@ -75,7 +75,7 @@ R4_0, R4_0_C = tl.constexpr(_A[16, 4, 0, 1][0]), tl.constexpr(_A[16, 4, 0, 1][1]
 @triton.jit
 def _ref_plane(w, sm, k: tl.constexpr, BITS: tl.constexpr):
     """The interpreter path: the library's reference dequantisation, scale in the low half of ``sm``."""
-    return _plane_ref(w, sm, sm >> 16, k, BITS).to(tl.float32)
+    return _plane_ref(w, sm, k, BITS).to(tl.float32)
 
 
 @triton.jit

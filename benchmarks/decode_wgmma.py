@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from quantmla.kernels.unpack import R4_ASM, R4_CONS, SCALE_PAIRS_ASM, code_lines
+from quantmla.kernels.unpack import R4_ASM, R4_CONS, code_lines, scale_split_lines
 
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # cp.async into shared memory: ``async_load`` in newer Triton, ``async_copy_global_to_shared`` in 3.6
@@ -44,16 +44,17 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 def planes_asm(word_bits: int, bits: int, first: int, count: int) -> tuple[str, str]:
     """PTX: planes ``first .. first + count - 1`` of a pair of words of one token (two 32-bit words,
     or two 16-bit words in one register) to ``count`` ``f16x2`` registers, each plane with its own
-    ``(s, s)`` and ``(m, m)`` (int32 inputs; with ``pack=2`` each arrives as two equal registers)."""
+    int32 scale|minimum word (with ``pack=2`` each arrives as two equal registers)."""
     P = count
     pre, src, s0 = half_word_source(word_bits, bits, first, count)
-    lines = ["{", ".reg .b32 hw, v, c;", *pre]
-    m0 = s0 + 2 * P
+    lines = ["{", f".reg .b32 hw, v, c, s<{P}>, m<{P}>;", ".reg .b16 sl, mh;", *pre]
+    for i in range(P):
+        lines += scale_split_lines(f"${s0 + 2 * i}", f"s{i}", f"m{i}")
     codes = range(first % (16 // bits), first % (16 // bits) + count)
-    lines += code_lines(src, codes, bits, [f"${i}" for i in range(P)],
-                        [f"${s0 + 2 * i}" for i in range(P)], [f"${m0 + 2 * i}" for i in range(P)])  # fmt: skip
+    lines += code_lines(src, codes, bits, [f"${i}" for i in range(P)], [f"s{i}" for i in range(P)],
+                        [f"m{i}" for i in range(P)])  # fmt: skip
     lines.append("}")
-    return "\n".join(lines), ",".join(["=r"] * P + ["r"] * ((2 if word_bits == 32 else 1) + 4 * P))
+    return "\n".join(lines), ",".join(["=r"] * P + ["r"] * ((2 if word_bits == 32 else 1) + 2 * P))
 
 
 _D = {(w, bt, k): planes_asm(w, bt, 2 * k, 2) for w, bt in ((32, 4), (16, 2)) for k in range(4)}
@@ -73,11 +74,6 @@ def _perm(j):
     columns ``2r, 2r+1, 2r+8, 2r+9``, mapped to words ``4r .. 4r+3``."""
     jj = j % 16
     return (j // 16) * 16 + 4 * ((jj % 8) // 2) + 2 * (jj // 8) + jj % 2
-
-
-@gluon.jit
-def _pairs(sm):
-    return gl.inline_asm_elementwise(SCALE_PAIRS_ASM, "=r,=r,r", [sm], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -120,11 +116,10 @@ def _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, page, p, n, kstart, PW: gl.conste
 
 @gluon.jit
 def _bsm(sm_s, k: gl.constexpr, like):
-    """``(s, s)`` and ``(m, m)`` of scale row ``k`` of the stage, broadcast like ``like``."""
-    s2, m2 = _pairs(sm_s.slice(k * 64, 64).load(gl.SliceLayout(1, like.type.layout)))
-    s2, _ = gl.broadcast(gl.expand_dims(s2, 1), like)
-    m2, _ = gl.broadcast(gl.expand_dims(m2, 1), like)
-    return s2, m2
+    """The scale|minimum words of scale row ``k`` of the stage, broadcast like ``like``."""
+    sm = sm_s.slice(k * 64, 64).load(gl.SliceLayout(1, like.type.layout))
+    sm, _ = gl.broadcast(gl.expand_dims(sm, 1), like)
+    return sm
 
 
 @gluon.jit
@@ -135,10 +130,13 @@ def _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw: gl.constexpr, la: gl.constexpr
     spill the loop's addresses: measured 694.8 vs 638.6 us); INT2 words (16 registers) are passed in."""
     if CBITS == 4:
         w = cw_s.load(lw)
-    sa, ma = _bsm(sm_s, 2 * K, w)
-    sb, mb = _bsm(sm_s, 2 * K + 1, w)
     ca, cb = gl.inline_asm_elementwise(
-        ASM, CONS, [w, sa, sb, ma, mb], dtype=(gl.float16, gl.float16), is_pure=True, pack=2
+        ASM,
+        CONS,
+        [w, _bsm(sm_s, 2 * K, w), _bsm(sm_s, 2 * K + 1, w)],
+        dtype=(gl.float16, gl.float16),
+        is_pure=True,
+        pack=2,
     )  # planes 2K, 2K + 1 (``planes_asm``)
     ca = _to_fragment(ca, la)
     cb = _to_fragment(cb, la)
@@ -228,8 +226,7 @@ def _wgmma_lowbit_kernel(
         _barrier()  # this page's stage has landed for every thread
         w = cw_s.load(lw) if CBITS == 2 else 0
         rw = rw_s.load(lr)
-        rs, rm = _bsm(sm_s, NG, rw)
-        r0, r1, r2, r3 = gl.inline_asm_elementwise(R4_ASM, R4_CONS, [rw, rs, rs, rs, rs, rm, rm, rm, rm],
+        r0, r1, r2, r3 = gl.inline_asm_elementwise(R4_ASM, R4_CONS, [rw, _bsm(sm_s, NG, rw)],
                                                    dtype=(gl.float16,) * 4, is_pure=True, pack=2)  # fmt: skip
         r0 = _to_fragment(r0, la)
         r1 = _to_fragment(r1, la)

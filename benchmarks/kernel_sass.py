@@ -11,6 +11,12 @@ prologue and epilogue).
 
 ``--loop`` also counts the instructions of the hottest loop (the widest backward branch): one
 64-token tile per warp, without prologue and epilogue.
+
+The counts are those of the installed triton. Triton versions lay kernels out differently (a change
+that 3.9 compiled well, 3.6 did not: BENCHMARKS.md), so compile with the GPU image's version too:
+
+    python -m venv --system-site-packages /tmp/v36 && /tmp/v36/bin/pip install --no-deps triton==3.6.0
+    PYTHONPATH=src:benchmarks /tmp/v36/bin/python benchmarks/kernel_sass.py --loop
 """
 
 from __future__ import annotations

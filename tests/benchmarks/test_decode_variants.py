@@ -107,9 +107,8 @@ def test_planes_asm_uses_each_planes_own_scale(word_bits, bits, first, count):
         words = [int(x) for x in rng.integers(0, 2**word_bits, 2)]
         s, m = rng.uniform(0.01, 2, count), rng.uniform(-4, 4, count)
         ops = {count + i: w for i, w in enumerate(words if nw == 2 else [words[0] | words[1] << 16])}
-        for i in range(count):  # (s, s) and (m, m) per plane, each input as two equal registers (pack=2)
-            ops[count + nw + 2 * i] = ops[count + nw + 2 * i + 1] = _f16x2(s[i], s[i])
-            ops[count + nw + 2 * count + 2 * i] = ops[count + nw + 2 * count + 2 * i + 1] = _f16x2(m[i], m[i])
+        for i in range(count):  # a scale|minimum word per plane, each input as two equal registers (pack=2)
+            ops[count + nw + 2 * i] = ops[count + nw + 2 * i + 1] = _f16x2(s[i], m[i])
         out = emulate(asm, ops)
         for i in range(count):
             k = first + i

@@ -124,6 +124,33 @@ def test_deepseek_geometry_512():
     check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.07, window, wl))
 
 
+@pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])
+@pytest.mark.parametrize("boost", [0.8, 4.0])
+def test_late_score_spikes(bits, boost):
+    """A late token whose score jumps above the running maximum (by a factor below 2^8 and far above
+    it: the fp16 probabilities overflow unless the accumulators are rescaled), for one head of each
+    sequence."""
+    from quantmla.kernels.reference import gather_tokens
+
+    H, scale, lens, spikes = 16, 0.1, [300, 200], ((0, 250), (1, 130))
+    case = make_case(*bits, lens, [0, 0], H, seed=3)
+    q, qr, store, bt, n_paged, _, _ = case
+    for b, t in spikes:  # token t of sequence b points along head b's query
+        idx = torch.tensor([t], device=q.device)
+        c = (q[b, b].float() * boost)[None]
+        store.write(bt[b, idx // 16].long(), idx % 16, c, torch.zeros(1, 64, device=q.device))
+    for b, t in spikes:
+        c, r = gather_tokens(store, bt, lens[b], b)
+        sc = (c.float().cpu() @ q[b, b].float().cpu() + r.float().cpu() @ qr[b, b].float().cpu()) * scale
+        jump = float(sc[t] - sc[:t].max()) / math.log(2)
+        assert (jump > 8) if boost > 1 else (0 < jump < 8), jump
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, scale)
+    empty = torch.zeros(2, 1, q.shape[-1] + 64, dtype=torch.bfloat16, device=q.device)
+    zero = torch.zeros(2, dtype=torch.int32, device=q.device)
+    o, lse = mla_decode(q, qr, store, bt, n_paged, scale, num_splits=2, out_dtype=torch.float32)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(q, qr, store, bt, n_paged, scale, empty, zero))
+
+
 def test_no_window_and_split_counts_agree():
     q, qr, store, bt, n_paged, _, _ = make_case(2, 4, [300, 64], [0, 0], 16)
     ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.1)

@@ -70,6 +70,12 @@ def emulate(asm: str, operands: dict[int, int]) -> dict[int, int]:
             reg[d] = (val(a[1]) & val(a[2])) | val(a[3])
         elif op == "shr.b32":
             reg[d] = val(a[1]) >> val(a[2])
+        elif op == "mov.b32" and d.startswith("{"):  # split a register into two 16-bit halves
+            lo, hi = d.strip("{ "), a[1].strip("} ")
+            v = val(a[2])
+            reg[lo], reg[hi] = v & 0xFFFF, v >> 16
+        elif op == "mov.b32" and a[1].startswith("{"):  # join two 16-bit registers
+            reg[d] = val(a[1].strip("{ ")) | (val(a[2].strip("} ")) << 16)
         elif op == "mov.b32":
             reg[d] = val(a[1])
         elif op == "sub.f16x2":  # exact here (integers below 2048)
@@ -85,26 +91,29 @@ def emulate(asm: str, operands: dict[int, int]) -> dict[int, int]:
 
 @pytest.mark.parametrize("word_bits,bits,planes", [(32, 4, 8), (16, 2, 8), (16, 4, 4)])
 def test_ptx_dequantises_every_code_of_both_words(word_bits, bits, planes):
-    """Two words per call; output plane k is (code k of word 0, code k of word 1) * s_k + m_k."""
-    asm = _plane_asm(word_bits, bits, planes)
-    _, cons = plane_asm_kernel_args(word_bits, bits, planes)
+    """Two words per call; output plane k is (code k of word 0, code k of word 1) * s_k + m_k, from
+    plane k's scale|minimum word (the RoPE key: one word for all four planes)."""
+    shared = planes == 4
+    asm = _plane_asm(word_bits, bits, planes, shared_scale=shared)
+    _, cons = plane_asm_kernel_args(word_bits, bits, planes, shared_scale=shared)
     n_words = 2 if word_bits == 32 else 1
-    assert cons.count("=r") == planes and cons.count(",") + 1 == planes + n_words + 4 * planes
+    assert cons.count("=r") == planes and cons.count(",") + 1 == planes + n_words + (2 if shared else 2 * planes)
     rng = np.random.default_rng(0)
     for trial in range(200):
         codes = rng.integers(0, 2**bits, size=(2, planes)) if trial else np.full((2, planes), 2**bits - 1)
         words = [sum(int(c) << (bits * k) for k, c in enumerate(codes[e])) for e in range(2)]
         s = rng.uniform(0.01, 40, planes).astype(np.float16)
         m = rng.uniform(-300, 300, planes).astype(np.float16)
+        if shared:
+            s[:], m[:] = s[0], m[0]
         ops = dict(enumerate([0] * planes))
         if n_words == 2:
             ops[planes], ops[planes + 1] = words
         else:
             ops[planes] = words[0] | (words[1] << 16)
         first = planes + n_words
-        for k in range(planes):  # (s, s) and (m, m); the second register of each pair is unused
-            ops[first + 2 * k], ops[first + 2 * k + 1] = _f16x2(s[k], s[k]), 0xDEADBEEF
-            ops[first + 2 * planes + 2 * k], ops[first + 2 * planes + 2 * k + 1] = _f16x2(m[k], m[k]), 0xDEADBEEF
+        for k in range(1 if shared else planes):  # scale|minimum words; the second register of each is unused
+            ops[first + 2 * k], ops[first + 2 * k + 1] = _f16x2(s[k], m[k]), 0xDEADBEEF
         out = emulate(asm, ops)
         for k in range(planes):
             got = _halves(out[f"${k}"] & 0xFFFFFFFF)

@@ -10,7 +10,9 @@ int-to-float conversion instruction (those run at 1/8 of the FMA rate and were t
 * ``lop3``: mask the code into a half's mantissa and OR in an exponent, giving ``M + code`` exactly
   (``M = 2**(10 - p)`` for a code at mantissa bit ``p``);
 * ``sub.f16x2``: ``- M``, exact, giving the code as an fp16 integer;
-* ``fma.rn.f16x2``: ``code * scale + minimum`` with the fp16 scale and minimum, rounded once.
+* ``fma.rn.f16x2``: ``code * scale + minimum`` with the fp16 scale and minimum, rounded once; the
+  scale and minimum come straight from the token's int32 scale|minimum word through the
+  instruction's half selectors (``.H0_H0``, ``.H1_H1``), at no instruction.
 
 That is 1.5 instructions per value plus one shift (and for 32-bit words one byte permute) per
 word pair. Under ``TRITON_INTERPRET=1`` (CPU tests) the same values come from plain shifts and
@@ -49,103 +51,88 @@ def code_lines(src: str, codes: range, bits: int, outs: list[str], scales: list[
     return lines
 
 
-def _plane_asm(word_bits: int, bits: int, planes: int) -> str:
-    """PTX for one call: inputs two words and, per plane, ``(s, s)`` and ``(m, m)`` as ``f16x2``
-    (int32 inputs broadcast along the row: with ``pack=2`` each arrives as two registers holding
-    the same value, as both words of a pair lie in one token row); outputs one ``f16x2`` per plane.
-    Operand numbering: outputs ``$0..$(P-1)``, the word register(s), 2P scale, 2P minimum registers."""
+def scale_split_lines(sm: str, s: str, m: str) -> list[str]:
+    """PTX: ``(s, s)`` and ``(m, m)`` from a scale|minimum word (fp16 scale low, minimum high). ptxas
+    folds the two broadcasts into the ``fma.rn.f16x2`` operand selectors (``.H0_H0``, ``.H1_H1``), so
+    they cost no instruction (a ``prmt`` pair per token and plane did before)."""
+    return [f"mov.b32 {{sl, mh}}, {sm};", f"mov.b32 {s}, {{sl, sl}};", f"mov.b32 {m}, {{mh, mh}};"]
+
+
+def _plane_asm(word_bits: int, bits: int, planes: int, shared_scale: bool = False) -> str:
+    """PTX for one call: inputs two words and, per plane, its int32 scale|minimum word (with
+    ``pack=2`` each arrives as two registers holding the same value, as both words of a pair lie in
+    one token row; ``shared_scale``: one word for all planes); outputs one ``f16x2`` per plane.
+    Operand numbering: outputs ``$0..$(P-1)``, the word register(s), then the scale word registers."""
     P = planes
-    lines = ["{", ".reg .b32 hw<2>, v, c;"]
+    lines = ["{", f".reg .b32 hw<2>, v, c, s<{P}>, m<{P}>;", ".reg .b16 sl, mh;"]
     if word_bits == 32:  # two 32-bit words: gather their low and high halves into two registers
         w0, w1 = f"${P}", f"${P + 1}"
         lines += [f"prmt.b32 hw0, {w0}, {w1}, 0x5410;", f"prmt.b32 hw1, {w0}, {w1}, 0x7632;"]
         sources = ["hw0", "hw1"]
-        first_scale = P + 2
+        first_sm = P + 2
     else:  # two 16-bit words arrive packed in one register
         sources = [f"${P}"]
-        first_scale = P + 1
-    first_min = first_scale + 2 * P
+        first_sm = P + 1
+    for k in range(P):
+        lines += scale_split_lines(f"${first_sm + (0 if shared_scale else 2 * k)}", f"s{k}", f"m{k}")
     per_half = 16 // bits  # codes of one word-half
     for h, src in enumerate(sources):
         ks = range(h * per_half, (h + 1) * per_half)
-        lines += code_lines(src, range(per_half), bits, [f"${k}" for k in ks],
-                            [f"${first_scale + 2 * k}" for k in ks], [f"${first_min + 2 * k}" for k in ks])  # fmt: skip
+        lines += code_lines(src, range(per_half), bits, [f"${k}" for k in ks], [f"s{k}" for k in ks],
+                            [f"m{k}" for k in ks])  # fmt: skip
     assert len(sources) * per_half == P, (len(sources) * per_half, P)
     lines.append("}")
     return "\n".join(lines)
 
 
-def plane_asm_kernel_args(word_bits: int, bits: int, planes: int) -> tuple[str, str]:
-    asm = _plane_asm(word_bits, bits, planes)
+def plane_asm_kernel_args(word_bits: int, bits: int, planes: int, shared_scale: bool = False) -> tuple[str, str]:
+    asm = _plane_asm(word_bits, bits, planes, shared_scale)
     n_words = 2 if word_bits == 32 else 1
-    constraints = ",".join(["=r"] * planes + ["r"] * (n_words + 4 * planes))
+    constraints = ",".join(["=r"] * planes + ["r"] * (n_words + (2 if shared_scale else 2 * planes)))
     return asm, constraints
 
 
 _C4 = plane_asm_kernel_args(32, 4, 8)  # INT4 content: 8 planes in a 32-bit word
 _C2 = plane_asm_kernel_args(16, 2, 8)  # INT2 content: 8 planes in a 16-bit word
-_R4 = plane_asm_kernel_args(16, 4, 4)  # INT4 RoPE key: 4 planes in a 16-bit word
+_R4 = plane_asm_kernel_args(16, 4, 4, shared_scale=True)  # INT4 RoPE key: 4 planes (one group) in a 16-bit word
 C4_ASM, C4_CONS = tl.constexpr(_C4[0]), tl.constexpr(_C4[1])
-# int32 scale|minimum word to (s, s) and (m, m): outputs $0, $1, input $2
-SCALE_PAIRS_ASM = tl.constexpr("prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;")
 C2_ASM, C2_CONS = tl.constexpr(_C2[0]), tl.constexpr(_C2[1])
 R4_ASM, R4_CONS = tl.constexpr(_R4[0]), tl.constexpr(_R4[1])
 
 
 @triton.jit
-def scale_pairs(sm, ASM_OK: tl.constexpr):
-    """``sm`` int32 (fp16 scale in the low half, minimum in the high half) to ``(s, s)``, ``(m, m)``."""
-    if ASM_OK:
-        return tl.inline_asm_elementwise(
-            SCALE_PAIRS_ASM, "=r,=r,r", [sm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
-        )
-    else:
-        lo = sm & 0xFFFF
-        hi = (sm >> 16) & 0xFFFF
-        return lo | (lo << 16), hi | (hi << 16)
-
-
-@triton.jit
-def _plane_ref(w, s2, m2, k: tl.constexpr, BITS: tl.constexpr):
+def _plane_ref(w, sm, k: tl.constexpr, BITS: tl.constexpr):
     x = ((w >> (BITS * k)) & ((1 << BITS) - 1)).to(tl.float32)
-    s = (s2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    m = (m2 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    s = (sm & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    m = ((sm >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return (x * s + m).to(tl.float16)
 
 
 @triton.jit
-def dequant8(w, s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7, BITS: tl.constexpr,
-             WORD: tl.constexpr, ASM_OK: tl.constexpr):  # fmt: skip
-    """Eight planes of a content tile: ``w [T, n]`` words; per plane ``(s, s)``, ``(m, m)`` ``[T, 1]`` int32."""
+def dequant8(w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, BITS: tl.constexpr, WORD: tl.constexpr, ASM_OK: tl.constexpr):
+    """Eight planes of a content tile: ``w [T, n]`` words; per plane the scale|minimum word ``[T, 1]`` int32."""
     if ASM_OK:
         if WORD == 32:
             return tl.inline_asm_elementwise(
-                C4_ASM, C4_CONS, [w, s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7],
-                dtype=(tl.float16,) * 8, is_pure=False, pack=2,
+                C4_ASM, C4_CONS, [w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7], dtype=(tl.float16,) * 8,
+                is_pure=False, pack=2,
             )  # fmt: skip
         return tl.inline_asm_elementwise(
-            C2_ASM, C2_CONS, [w, s0, s1, s2, s3, s4, s5, s6, s7, m0, m1, m2, m3, m4, m5, m6, m7],
-            dtype=(tl.float16,) * 8, is_pure=False, pack=2,
+            C2_ASM, C2_CONS, [w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7], dtype=(tl.float16,) * 8,
+            is_pure=False, pack=2,
         )  # fmt: skip
     else:
         return (
-            _plane_ref(w, s0, m0, 0, BITS), _plane_ref(w, s1, m1, 1, BITS), _plane_ref(w, s2, m2, 2, BITS),
-            _plane_ref(w, s3, m3, 3, BITS), _plane_ref(w, s4, m4, 4, BITS), _plane_ref(w, s5, m5, 5, BITS),
-            _plane_ref(w, s6, m6, 6, BITS), _plane_ref(w, s7, m7, 7, BITS),
+            _plane_ref(w, sm0, 0, BITS), _plane_ref(w, sm1, 1, BITS), _plane_ref(w, sm2, 2, BITS),
+            _plane_ref(w, sm3, 3, BITS), _plane_ref(w, sm4, 4, BITS), _plane_ref(w, sm5, 5, BITS),
+            _plane_ref(w, sm6, 6, BITS), _plane_ref(w, sm7, 7, BITS),
         )  # fmt: skip
 
 
 @triton.jit
-def dequant4(w, s, m, ASM_OK: tl.constexpr):
-    """Four INT4 planes of a RoPE tile: ``w [T, n]`` 16-bit words, one ``(s, s)``, ``(m, m)`` ``[T, 1]``."""
+def dequant4(w, sm, ASM_OK: tl.constexpr):
+    """Four INT4 planes of a RoPE tile (one group): ``w [T, n]`` 16-bit words, the scale|minimum word ``[T, 1]``."""
     if ASM_OK:
-        return tl.inline_asm_elementwise(
-            R4_ASM, R4_CONS, [w, s, s, s, s, m, m, m, m], dtype=(tl.float16,) * 4, is_pure=False, pack=2
-        )
+        return tl.inline_asm_elementwise(R4_ASM, R4_CONS, [w, sm], dtype=(tl.float16,) * 4, is_pure=False, pack=2)
     else:
-        return (
-            _plane_ref(w, s, m, 0, 4),
-            _plane_ref(w, s, m, 1, 4),
-            _plane_ref(w, s, m, 2, 4),
-            _plane_ref(w, s, m, 3, 4),
-        )
+        return (_plane_ref(w, sm, 0, 4), _plane_ref(w, sm, 1, 4), _plane_ref(w, sm, 2, 4), _plane_ref(w, sm, 3, 4))
