@@ -7,8 +7,11 @@ shared GPU are only comparable within one run). The caches are built by the work
 the first one (relative error of the output and of the LSE below 1e-3), then each is timed three times,
 interleaved; the table gives the median of the three do_bench medians (L2 flushed).
 
-    PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 HEAD
-    PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 HEAD --cases 16:8:65536:c4r4
+    PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 .      # ".": the working tree
+    PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 . --cases 16:8:65536:c4r4
+
+(On the lent GPU the checkout's git history is the one of the session's start, so name the working
+tree ``.`` rather than ``HEAD``.)
 
 GPU only. Launch: 4 warps, 1 stage, 8 programs per SM (the library's launch at h <= 16), with the
 library's register cap for the scheme unless ``--maxnreg`` is given (0: none).
@@ -29,11 +32,15 @@ import torch
 
 
 def load_revision(rev: str, tmp: Path, i: int):
-    """The ``_lowbit_kernel`` of revision ``rev`` (its own unpack module), as module ``lowbit_<i>``."""
+    """The ``_lowbit_kernel`` of revision ``rev`` (``.``: the working tree), with its own unpack module, as
+    module ``lowbit_<i>``."""
     files = {}
     for name in ("unpack", "decode_lowbit"):
-        src = subprocess.run(["git", "show", f"{rev}:src/quantmla/kernels/{name}.py"], capture_output=True,
-                             text=True, check=True).stdout  # fmt: skip
+        path = f"src/quantmla/kernels/{name}.py"
+        if rev == ".":
+            src = Path(path).read_text()
+        else:
+            src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
         files[name] = src.replace("from quantmla.kernels.unpack import", f"from unpack_{i} import")
     (tmp / f"unpack_{i}.py").write_text(files["unpack"])
     (tmp / f"lowbit_{i}.py").write_text(files["decode_lowbit"])
@@ -50,7 +57,7 @@ def main() -> None:
     from quantmla.kernels.decode import default_launch
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("revs", nargs="+", help="git revisions (the first is the reference)")
+    ap.add_argument("revs", nargs="+", help="git revisions or . for the working tree (the first is the reference)")
     ap.add_argument("--cases", default="16:32:65536:c4r4,16:32:65536:c2r4", help="h:B:L:scheme, comma-separated")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap; default: the library's for the scheme")
     args = ap.parse_args()
