@@ -226,8 +226,8 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
 def default_launch(block_h: int, content_bits: int) -> dict:
     """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep and
     benchmarks/decode_variants.py). ``maxnreg`` caps registers per thread: for INT2 content at
-    h <= 16 a cap of 168 fits three blocks per SM at the cost of a small spill (1.04x at B=32, 64K);
-    INT4 content spills more under the same cap and loses (0.95x)."""
+    h <= 16 a cap of 168 measures 1.04x at B=32, 64K (shared memory still holds it to two blocks per SM);
+    INT4 content spills under the same cap and loses (0.95x)."""
     if content_bits != 16:  # the low-bit kernel: no software pipelining (registers, not copies, bound it)
         cap = 168 if content_bits == 2 and block_h <= 16 else None
         return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=1, maxnreg=cap)
