@@ -228,9 +228,12 @@ def default_launch(block_h: int, content_bits: int) -> dict:
     benchmarks/decode_variants.py). ``maxnreg`` caps registers per thread: for INT2 content at
     h <= 16 a cap of 168 measures 1.04x at B=32, 64K (shared memory still holds it to two blocks per SM);
     INT4 content spills under the same cap and loses (0.95x)."""
-    if content_bits != 16:  # the low-bit kernel: no software pipelining (registers, not copies, bound it)
+    if content_bits != 16:  # the low-bit kernel
         cap = 168 if content_bits == 2 and block_h <= 16 else None
-        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=1, maxnreg=cap)
+        # INT4 at h <= 16: two stages (cp.async of the next tile's words) measured 1.10x at B=32, 64K;
+        # INT2 (capped) and 64-head programs lose with them (registers)
+        stages = 2 if content_bits == 4 and block_h <= 16 else 1
+        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=stages, maxnreg=cap)
     return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2, maxnreg=None)
 
 
