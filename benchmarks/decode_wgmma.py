@@ -58,14 +58,11 @@ def planes_asm(word_bits: int, bits: int, first: int, count: int) -> tuple[str, 
 
 
 _D = {(w, bt, k): planes_asm(w, bt, 2 * k, 2) for w, bt in ((32, 4), (16, 2)) for k in range(4)}
-D40, D40_C = gl.constexpr(_D[32, 4, 0][0]), gl.constexpr(_D[32, 4, 0][1])
-D41, D41_C = gl.constexpr(_D[32, 4, 1][0]), gl.constexpr(_D[32, 4, 1][1])
-D42, D42_C = gl.constexpr(_D[32, 4, 2][0]), gl.constexpr(_D[32, 4, 2][1])
-D43, D43_C = gl.constexpr(_D[32, 4, 3][0]), gl.constexpr(_D[32, 4, 3][1])
-D20, D20_C = gl.constexpr(_D[16, 2, 0][0]), gl.constexpr(_D[16, 2, 0][1])
-D21, D21_C = gl.constexpr(_D[16, 2, 1][0]), gl.constexpr(_D[16, 2, 1][1])
-D22, D22_C = gl.constexpr(_D[16, 2, 2][0]), gl.constexpr(_D[16, 2, 2][1])
-D23, D23_C = gl.constexpr(_D[16, 2, 3][0]), gl.constexpr(_D[16, 2, 3][1])
+# the PTX of step K (planes 2K, 2K + 1) and its constraints, for INT4 and INT2 words
+D4 = gl.constexpr(tuple(gl.constexpr(_D[32, 4, k][0]) for k in range(4)))
+D4_C = gl.constexpr(tuple(gl.constexpr(_D[32, 4, k][1]) for k in range(4)))
+D2 = gl.constexpr(tuple(gl.constexpr(_D[16, 2, k][0]) for k in range(4)))
+D2_C = gl.constexpr(tuple(gl.constexpr(_D[16, 2, k][1]) for k in range(4)))
 
 
 @gluon.jit
@@ -238,63 +235,11 @@ def _wgmma_lowbit_kernel(
         sT = warpgroup_mma(r2, qr_smem.index(2).permute((1, 0)), sT, is_async=True)
         sT = warpgroup_mma(r3, qr_smem.index(3).permute((1, 0)), sT, is_async=True)
         # two planes per step: with four, the live fragments spill (measured 1.37x slower)
-        sT = _step2(
-            w,
-            cw_s,
-            sm_s,
-            q_smem,
-            c_smem,
-            sT,
-            lw,
-            la,
-            0,
-            CBITS,
-            D40 if CBITS == 4 else D20,
-            D40_C if CBITS == 4 else D20_C,
-        )
-        sT = warpgroup_mma_wait(0, deps=[sT, r0, r1, r2, r3])[0]
-        sT = _step2(
-            w,
-            cw_s,
-            sm_s,
-            q_smem,
-            c_smem,
-            sT,
-            lw,
-            la,
-            1,
-            CBITS,
-            D41 if CBITS == 4 else D21,
-            D41_C if CBITS == 4 else D21_C,
-        )
-        sT = _step2(
-            w,
-            cw_s,
-            sm_s,
-            q_smem,
-            c_smem,
-            sT,
-            lw,
-            la,
-            2,
-            CBITS,
-            D42 if CBITS == 4 else D22,
-            D42_C if CBITS == 4 else D22_C,
-        )
-        sT = _step2(
-            w,
-            cw_s,
-            sm_s,
-            q_smem,
-            c_smem,
-            sT,
-            lw,
-            la,
-            3,
-            CBITS,
-            D43 if CBITS == 4 else D23,
-            D43_C if CBITS == 4 else D23_C,
-        )
+        for K in gl.static_range(4):
+            if K == 1:  # the RoPE products' fragments are free once the first step has been issued
+                sT = warpgroup_mma_wait(0, deps=[sT, r0, r1, r2, r3])[0]
+            sT = _step2(w, cw_s, sm_s, q_smem, c_smem, sT, lw, la, K, CBITS, D4[K] if CBITS == 4 else D2[K],
+                        D4_C[K] if CBITS == 4 else D2_C[K])  # fmt: skip
         _barrier()  # every thread has read the stage: prefetch the next page into it
         if p + 1 < p1:
             _issue(cw_s, rw_s, sm_s, CW, RW, CSM, RSM, gl.load(BT + b * MAXP + p + 1).to(gl.int64), p + 1, n, kstart,

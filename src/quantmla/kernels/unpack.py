@@ -64,7 +64,8 @@ def _plane_asm(word_bits: int, bits: int, planes: int, shared_scale: bool = Fals
     one token row; ``shared_scale``: one word for all planes); outputs one ``f16x2`` per plane.
     Operand numbering: outputs ``$0..$(P-1)``, the word register(s), then the scale word registers."""
     P = planes
-    lines = ["{", f".reg .b32 hw<2>, v, c, s<{P}>, m<{P}>;", ".reg .b16 sl, mh;"]
+    S = 1 if shared_scale else P  # scale|minimum words
+    lines = ["{", f".reg .b32 hw<2>, v, c, s<{S}>, m<{S}>;", ".reg .b16 sl, mh;"]
     if word_bits == 32:  # two 32-bit words: gather their low and high halves into two registers
         w0, w1 = f"${P}", f"${P + 1}"
         lines += [f"prmt.b32 hw0, {w0}, {w1}, 0x5410;", f"prmt.b32 hw1, {w0}, {w1}, 0x7632;"]
@@ -73,13 +74,13 @@ def _plane_asm(word_bits: int, bits: int, planes: int, shared_scale: bool = Fals
     else:  # two 16-bit words arrive packed in one register
         sources = [f"${P}"]
         first_sm = P + 1
-    for k in range(P):
-        lines += scale_split_lines(f"${first_sm + (0 if shared_scale else 2 * k)}", f"s{k}", f"m{k}")
+    for k in range(S):
+        lines += scale_split_lines(f"${first_sm + 2 * k}", f"s{k}", f"m{k}")
     per_half = 16 // bits  # codes of one word-half
     for h, src in enumerate(sources):
         ks = range(h * per_half, (h + 1) * per_half)
-        lines += code_lines(src, range(per_half), bits, [f"${k}" for k in ks], [f"s{k}" for k in ks],
-                            [f"m{k}" for k in ks])  # fmt: skip
+        lines += code_lines(src, range(per_half), bits, [f"${k}" for k in ks], [f"s{k % S}" for k in ks],
+                            [f"m{k % S}" for k in ks])  # fmt: skip
     assert len(sources) * per_half == P, (len(sources) * per_half, P)
     lines.append("}")
     return "\n".join(lines)
@@ -88,7 +89,7 @@ def _plane_asm(word_bits: int, bits: int, planes: int, shared_scale: bool = Fals
 def plane_asm_kernel_args(word_bits: int, bits: int, planes: int, shared_scale: bool = False) -> tuple[str, str]:
     asm = _plane_asm(word_bits, bits, planes, shared_scale)
     n_words = 2 if word_bits == 32 else 1
-    constraints = ",".join(["=r"] * planes + ["r"] * (n_words + (2 if shared_scale else 2 * planes)))
+    constraints = ",".join(["=r"] * planes + ["r"] * (n_words + 2 * (1 if shared_scale else planes)))
     return asm, constraints
 
 
