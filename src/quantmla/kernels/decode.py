@@ -225,15 +225,12 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
 
 def default_launch(block_h: int, content_bits: int) -> dict:
     """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep and
-    benchmarks/decode_variants.py). ``maxnreg`` caps registers per thread: for INT2 content at
-    h <= 16 a cap of 168 measures 1.04x at B=32, 64K (shared memory still holds it to two blocks per SM);
-    INT4 content spills under the same cap and loses (0.95x)."""
+    benchmarks/decode_variants.py). The low-bit kernel at h <= 16 runs two pipeline stages (cp.async of
+    the next tile's words and scale words): 1.09x (INT4) and 1.05x (INT2) at B=32, 64K; the 64-head
+    launch keeps one. No register cap: INT2 gained 1.04x from a cap of 168 at one stage, but loses with
+    two (610.2 vs 519.7 us)."""
     if content_bits != 16:  # the low-bit kernel
-        cap = 168 if content_bits == 2 and block_h <= 16 else None
-        # INT4 at h <= 16: two stages (cp.async of the next tile's words) measured 1.10x at B=32, 64K;
-        # INT2 (capped) and 64-head programs lose with them (registers)
-        stages = 2 if content_bits == 4 and block_h <= 16 else 1
-        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=stages, maxnreg=cap)
+        return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=2 if block_h <= 16 else 1, maxnreg=None)
     return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2, maxnreg=None)
 
 

@@ -84,8 +84,7 @@ def _lowbit_kernel(
             tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
             tok = page * PAGE + rows
             w = tl.load(CW + tok[:, None] * PW + cp, mask=tmask[:, None], other=0)
-            if CBITS == 4 and BLOCK_H <= 16:  # one [T, 8] load: 1.02x for INT4 at 16 heads; it loses for
-                # INT2 (registers: the capped kernel spills) and at 64 heads per program (0.95x at h=128)
+            if BLOCK_H <= 16:  # one [T, 8] load; at 64 heads per program it lost (0.95x at h=128)
                 sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, tok, tmask, PW, G, NG, BLOCK_T)
             else:
                 sm0 = _scale(CSM, tok, tmask, 0, PW, G, NG)
