@@ -9,12 +9,15 @@ interleaved; the table gives the median of the three do_bench medians (L2 flushe
 
     PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 .      # ".": the working tree
     PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py 89769f3 . --cases 16:8:65536:c4r4
+    PYTHONPATH=src:benchmarks python benchmarks/compare_lowbit.py old_decode_lowbit.py .   # a saved copy
 
 (On the lent GPU the checkout's git history is the one of the session's start, so name the working
-tree ``.`` rather than ``HEAD``.)
+tree ``.`` rather than ``HEAD``; a revision made since then can be passed as a saved copy of its
+``decode_lowbit.py``, a path ending in ``.py``, run with the working tree's ``unpack.py``.)
 
-GPU only. Launch: 4 warps, 1 stage, 8 programs per SM (the library's launch at h <= 16), with the
-library's register cap for the scheme unless ``--maxnreg`` is given (0: none).
+GPU only. Launch: 4 warps, 8 programs per SM, the library's pipeline stages and register cap for the
+scheme at h <= 16 (``default_launch``) unless ``--stages`` / ``--maxnreg`` are given (``--maxnreg 0``:
+no cap).
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ import torch
 
 
 def load_revision(rev: str, tmp: Path, i: int):
-    """The ``_lowbit_kernel`` of revision ``rev`` (``.``: the working tree), with its own unpack module, as
-    module ``lowbit_<i>``."""
+    """The ``_lowbit_kernel`` of revision ``rev`` (``.``: the working tree; a path ending in ``.py``: that
+    file with the working tree's unpack module), with its own unpack module, as module ``lowbit_<i>``."""
     files = {}
     for name in ("unpack", "decode_lowbit"):
         path = f"src/quantmla/kernels/{name}.py"
-        if rev == ".":
+        if rev == "." or (name == "unpack" and rev.endswith(".py")):
             src = Path(path).read_text()
+        elif rev.endswith(".py"):
+            src = Path(rev).read_text()
         else:
             src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True).stdout
         files[name] = src.replace("from quantmla.kernels.unpack import", f"from unpack_{i} import")
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("revs", nargs="+", help="git revisions or . for the working tree (the first is the reference)")
     ap.add_argument("--cases", default="16:32:65536:c4r4,16:32:65536:c2r4", help="h:B:L:scheme, comma-separated")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap; default: the library's for the scheme")
+    ap.add_argument("--stages", type=int, default=None, help="pipeline stages; default: the library's for the scheme")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("compare_lowbit.py times GPU kernels: no CUDA device")
@@ -78,10 +84,12 @@ def main() -> None:
             q = torch.randn(B, h, 512, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, 64, device="cuda", generator=gen).bfloat16()
             ns = max(1, min(bt.shape[1], math.ceil(8 * torch.cuda.get_device_properties(0).multi_processor_count / B)))
-            cap = default_launch(16, store.layout.content_bits)["maxnreg"] if args.maxnreg is None else args.maxnreg
+            lau = default_launch(16, store.layout.content_bits)
+            cap = lau["maxnreg"] if args.maxnreg is None else args.maxnreg
+            stages = lau["num_stages"] if args.stages is None else args.stages
             fns, ref = {}, None
             for rev, kern in kernels.items():
-                a = (kern, q, qr, store, store.content, bt, n_paged, scale, ns, 4, 1, cap or None)
+                a = (kern, q, qr, store, store.content, bt, n_paged, scale, ns, 4, stages, cap or None)
                 o, lse = launch(*a)
                 if ref is None:
                     ref = (o.float(), lse)
