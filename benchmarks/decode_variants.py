@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _combine_kernel, _split_pages
+from quantmla.kernels.decode import _split_pages, combine_splits
 from quantmla.kernels.layout import CONTENT_PLANES, pack_words, unpack_words
 from quantmla.kernels.unpack import _plane_ref, code_lines
 
@@ -232,11 +232,7 @@ def launch(kernel, q, qr, store, content, bt, n_paged, scale, num_splits, warps,
         bt.shape[1], num_splits, num_splits, scale * 1.4426950408889634, DC=DC, DR=lay.rope_dim, G=lay.group_size,
         PAGE=lay.page_size, BLOCK_T=lay.page_size, BLOCK_H=16, CBITS=lay.content_bits, **kw,
     )  # fmt: skip
-    o = torch.empty(B, H, DC, dtype=torch.bfloat16, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    _combine_kernel[(B, H)](op, lp, o, lse, H, num_splits, DC=DC, BLOCK_S=triton.next_power_of_2(num_splits),
-                            CHUNK=8, num_warps=4)  # fmt: skip
-    return o, lse
+    return combine_splits(op, lp)
 
 
 # (kernel, warps, stages, maxnreg): the library kernel's launch variants, the sliced

@@ -162,6 +162,29 @@ def test_no_window_and_split_counts_agree():
         check(o, lse, ref_o, ref_lse, same)
 
 
+@pytest.mark.parametrize("block_d", [32, 64, 128])
+def test_combine_against_float64(block_d, monkeypatch):
+    """The log-sum-exp merge of split partials, for several channel blocks per program: empty splits
+    (LSE -inf; the paged kernel writes zeros there), a row with no split at all, and LSEs far apart."""
+    import quantmla.kernels.decode as dec
+
+    monkeypatch.setattr(dec, "COMBINE_BLOCK_D", block_d)
+    g = torch.Generator().manual_seed(3)
+    B, S, H, DC = 3, 11, 5, 128
+    op = torch.randn(B, S, H, DC, generator=g)
+    lp = torch.randn(B, S, H, generator=g) * 30
+    lp[0, 3:7] = float("-inf")
+    op[0, 3:7] = 0.0
+    lp[1, :, 2] = float("-inf")  # (b=1, h=2): nothing to attend
+    o, lse = dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32)
+    w = torch.softmax(lp.double(), dim=1).nan_to_num(0.0)
+    ref = (w[..., None] * op.double()).sum(1)
+    ref[1, 2] = 0.0
+    ref_lse = torch.logsumexp(lp.double(), dim=1)
+    torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_launcher_rejects_bad_inputs():
     q, qr, store, bt, n_paged, window, wl = make_case(4, 4, [10], [2], 4)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -17,6 +17,7 @@ the launcher :func:`mla_decode`; the fused low-bit kernel is :mod:`quantmla.kern
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -191,17 +192,21 @@ def _window_kernel(
 
 
 @triton.jit
-def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr):
-    """Merge the split partials of one (sequence, head) by log-sum-exp, ``CHUNK`` splits at a time."""
+def _combine_kernel(
+    OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr
+):
+    """Merge the split partials of one (sequence, head) by log-sum-exp, for channels
+    ``[BLOCK_D * program_id(2), +BLOCK_D)`` (so that small batches still fill the GPU), ``CHUNK`` splits
+    at a time."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     sidx = tl.arange(0, BLOCK_S)
     lse = tl.load(LP + (b * NSP + sidx) * H + h, mask=sidx < NSP, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
     tot = tl.sum(tl.exp(lse - mx_safe), 0)
-    d = tl.arange(0, DC)
-    acc = tl.zeros([DC], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, NSP, CHUNK):
         cidx = s0 + tl.arange(0, CHUNK)
         cm = cidx < NSP
@@ -210,17 +215,39 @@ def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_S: tl.cons
         acc += tl.sum(w[:, None] * o, 0)
     out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(OUT + (b * H + h) * DC + d, out.to(OUT.dtype.element_ty))
-    tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
+    if tl.program_id(2) == 0:
+        tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
 
 
 MAX_SPLITS = 256
+COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs of one warp
+COMBINE_CHUNK = 8  # splits per combine step
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_i32(n: int, device: torch.device) -> torch.Tensor:
+    """A read-only int32 zero vector, kept between calls (one fill kernel and allocation fewer per call)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def default_num_splits(batch: int, head_groups: int, max_pages: int, device: torch.device) -> int:
-    """About eight programs per SM (tuned on H200: more, shorter programs even out the last wave),
-    at most one split per page and MAX_SPLITS splits."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(max_pages, MAX_SPLITS, math.ceil(8 * sms / (batch * head_groups))))
+    """Splits per sequence: about eight programs per SM (more, shorter programs even out the last wave),
+    but for small batches (at most 32 programs per split index) two when that would leave fewer than 4
+    pages per split and four when it would leave 4-24; at most one split per page and MAX_SPLITS splits.
+    Each split costs a partial output to write and combine, so short splits lose. On the H200 (CUDA-graph
+    times, h=16, C4R4): B=8, 16K 51.4 us at two programs per SM against 71.1 at eight; B=8, 64K 154.1 at
+    four against 167.4; B=32, 64K stays best at eight (545.7 against 657.6 at four), and B=128, 4K lost
+    at four (185.4 against 166.8 us at eight)."""
+    programs = _sm_count(device) / (batch * head_groups)  # splits for one program per SM
+    pages8 = max_pages / math.ceil(8 * programs)
+    small = batch * head_groups <= 32
+    per_sm = 2 if small and pages8 < 4 else 4 if small and pages8 < 24 else 8
+    return max(1, min(max_pages, MAX_SPLITS, math.ceil(per_sm * programs)))
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
@@ -289,7 +316,8 @@ def mla_decode(
         raise ValueError(f"window must be bfloat16 [B, cap, {DC + DR}], got {window.dtype} {tuple(window.shape)}")
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     dev = q_lat.device
-    zeros = torch.zeros(B, dtype=torch.int32, device=dev)
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no cached graph-pool memory
+    zeros = torch.zeros(B, dtype=torch.int32, device=dev) if capturing else _zeros_i32(B, dev)
     paged_start = zeros if paged_start is None else paged_start
     window_skip = zeros if window_skip is None else window_skip
     if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
@@ -354,7 +382,17 @@ def mla_decode(
             num_warps=num_warps,
             **stages,
         )
-    o = torch.empty(B, H, DC, dtype=out_dtype, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    _combine_kernel[(B, H)](op, lp, o, lse, H, nsp, DC=DC, BLOCK_S=triton.next_power_of_2(nsp), CHUNK=8, num_warps=4)
+    return combine_splits(op, lp, out_dtype)
+
+
+def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
+    """Merge split partials ``op [B, S, H, d_c]`` (float32, each normalised) with their log-sum-exps
+    ``lp [B, S, H]`` into ``o [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]``."""
+    B, nsp, H, DC = op.shape
+    o = torch.empty(B, H, DC, dtype=out_dtype, device=op.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=op.device)
+    bd = min(DC, COMBINE_BLOCK_D)
+    _combine_kernel[(B, H, triton.cdiv(DC, bd))](
+        op, lp, o, lse, H, nsp, DC=DC, BLOCK_D=bd, BLOCK_S=triton.next_power_of_2(nsp), CHUNK=COMBINE_CHUNK, num_warps=1
+    )
     return o, lse
