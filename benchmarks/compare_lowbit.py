@@ -56,7 +56,7 @@ def load_revision(rev: str, tmp: Path, i: int):
 
 
 def main() -> None:
-    from decode_attention import bench, random_store
+    from decode_attention import bench, random_store, splits_for
     from decode_variants import launch
 
     from quantmla.kernels.decode import default_launch
@@ -83,7 +83,7 @@ def main() -> None:
             store, bt, n_paged = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, 512, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, 64, device="cuda", generator=gen).bfloat16()
-            ns = max(1, min(bt.shape[1], math.ceil(8 * torch.cuda.get_device_properties(0).multi_processor_count / B)))
+            ns = splits_for(8, B, h, bt.shape[1])
             lau = default_launch(16, store.layout.content_bits)
             cap = lau["maxnreg"] if args.maxnreg is None else args.maxnreg
             stages = lau["num_stages"] if args.stages is None else args.stages

@@ -134,8 +134,13 @@ def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
     return us, eager_us, t_us, nbytes
 
 
-def splits_for(mul: float, B: int, h: int) -> int:
-    return max(1, math.ceil(mul * 132 / (B * math.ceil(h / 64))))
+def splits_for(per_sm: float, B: int, h: int, max_pages: int) -> int:
+    """Splits per sequence for about ``per_sm`` programs per SM (64 heads per program), at most one per
+    page and the library's ``MAX_SPLITS``: the launches the benchmark scripts compare."""
+    from quantmla.kernels.decode import MAX_SPLITS
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return max(1, min(max_pages, MAX_SPLITS, math.ceil(per_sm * sms / (B * math.ceil(h / 64)))))
 
 
 def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), stages=(2,), muls=(2, 4)) -> dict:
@@ -155,7 +160,7 @@ def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), st
             res = []
             for kw in grid:
                 for mul in muls:
-                    kw2 = dict(kw, num_splits=splits_for(mul, B, h))
+                    kw2 = dict(kw, num_splits=splits_for(mul, B, h, bt_.shape[1]))
                     try:
                         args = (q, qr, store, bt_, n_paged, 0.07)
                         us = bench(lambda kw2=kw2, args=args: mla_decode(*args, **kw2))
@@ -192,7 +197,7 @@ def main() -> None:
     ap.add_argument("--sweep-heads", default="16,128")
     ap.add_argument("--sweep-schemes", default=",".join(SCHEMES))
     ap.add_argument("--sweep-stages", default="2")
-    ap.add_argument("--sweep-splits", default="2,4", help="splits per SM (x 132 / (B * head groups)) to time")
+    ap.add_argument("--sweep-splits", default="2,4", help="programs per SM (splits x B x head groups / SMs) to time")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
@@ -216,7 +221,7 @@ def main() -> None:
                 for scheme in SCHEMES:
                     kw = dict(tuned.get(f"{h}/{scheme}", {}))
                     if "split_mul" in kw:
-                        kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h)
+                        kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h, math.ceil(L / PAGE))
                     us, eager_us, t_us, nbytes = run_row(h, B, L, scheme, gen, kw, B * L <= args.torch_max_tokens)
                     base = us if scheme == "bf16" else base
                     fm = FLASHMLA_US.get((h, B), {}).get(L)

@@ -242,7 +242,7 @@ VARIANTS = [("lib", 4, 1, None), ("lib", 8, 1, None), ("lib", 8, 1, 128), ("lib"
 
 
 def main() -> None:
-    from decode_attention import bench, copy_bandwidth_gbs, random_store
+    from decode_attention import bench, copy_bandwidth_gbs, random_store, splits_for
 
     from quantmla.kernels.decode import mla_decode
     from quantmla.kernels.decode_lowbit import _lowbit_kernel
@@ -281,7 +281,7 @@ def main() -> None:
                 else:
                     kern, content = (_lowbit_kernel, store.content) if name == "lib" else (_sliced_kernel, sliced)
                 for per_sm in args.per_sm:
-                    ns = max(1, min(bt.shape[1], math.ceil(per_sm * 132 / B)))
+                    ns = splits_for(per_sm, B, 16, bt.shape[1])
                     a = (kern, q, qr, store, content, bt, n_paged, scale, ns, warps, stages, maxnreg)
                     o, lse = launch(*a)
                     err = float((o.float() - o_ref.float()).norm() / o_ref.float().norm())

@@ -16,7 +16,7 @@ import math
 import sys
 
 import torch
-from decode_attention import DC, DR, random_store
+from decode_attention import DC, DR, random_store, splits_for
 
 from quantmla.kernels.decode import mla_decode
 
@@ -64,7 +64,7 @@ def main() -> None:
         from decode_variants import launch
         from decode_wgmma import _wgmma_lowbit_kernel
 
-        ns = max(1, min(bt.shape[1], math.ceil(8 * 132 / args.batch)))
+        ns = splits_for(8, args.batch, args.heads, bt.shape[1])
         for _ in range(args.launches):
             launch(_wgmma_lowbit_kernel, q, qr, store, store.content, bt, n_paged, 1 / math.sqrt(192), ns, 4, 1)
         torch.cuda.synchronize()

@@ -61,7 +61,7 @@ def combine_table() -> None:
 
 
 def splits_table(schemes: list[str]) -> None:
-    from decode_attention import bench, graph_of, random_store
+    from decode_attention import bench, graph_of, random_store, splits_for
 
     from quantmla.kernels.decode import default_num_splits, mla_decode
 
@@ -74,16 +74,14 @@ def splits_table(schemes: list[str]) -> None:
             store, bt, n = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, 512, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, 64, device="cuda", generator=gen).bfloat16()
-            hg = math.ceil(h / 64)
-            sms = torch.cuda.get_device_properties(0).multi_processor_count
             cells = []
             for p in per_sm:
-                ns = max(1, min(bt.shape[1], 256, math.ceil(p * sms / (B * hg))))
+                ns = splits_for(p, B, h, bt.shape[1])
                 call = (q, qr, store, bt, n, 0.07)
                 g = graph_of(lambda call=call, ns=ns: mla_decode(*call, num_splits=ns))
                 cells.append(f"{bench(g.replay):.1f} ({ns})")
                 del g
-            ns = default_num_splits(B, hg, bt.shape[1], q.device)
+            ns = default_num_splits(B, math.ceil(h / 64), bt.shape[1], q.device)
             print(f"| {h}, {B}, {L // 1024}K | {scheme} | " + " | ".join(cells) + f" | {ns} |", flush=True)
             del store
             torch.cuda.empty_cache()
