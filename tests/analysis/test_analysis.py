@@ -11,7 +11,7 @@ from quantmla.analysis.report import write
 from quantmla.analysis.response import path_function, probe_sums, run_attention
 from quantmla.cli.main import app
 from quantmla.models import get_adapter
-from quantmla.models.tiny import tiny_model
+from tiny_models import tiny_model
 
 
 def _model(name="deepseek_v3", dtype=torch.float64):

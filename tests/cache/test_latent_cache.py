@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from quantmla import QuantizedLatentCache
-from quantmla.models.tiny import tiny_config
 from quantmla.quant import fake_quantize, parse_scheme, quantize_fp8
+from tiny_models import tiny_config
 
 CFG = tiny_config("deepseek_v3")  # latent 128, RoPE 64
 DC, DR = 128, 64

@@ -59,7 +59,7 @@ def test_learning_never_worse_on_held_out_data(calibrated):
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
 def test_quantmla_never_worse_than_a_baseline_on_held_out_data(scheme):
     """Every baseline's transform is one of QuantMLA's start points (same seed, same Hadamard draw)."""
-    from quantmla.models.tiny import tiny_model
+    from tiny_models import tiny_model
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 100, (6, 32), generator=gen)

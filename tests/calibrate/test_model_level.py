@@ -12,9 +12,9 @@ from quantmla.calibrate.model_level import LayerPaths, ModelLevelConfig, _Instal
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.eval.simulate import simulated_decode
 from quantmla.models import get_adapter
-from quantmla.models.tiny import tiny_model
 from quantmla.quant.scheme import parse_scheme
 from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
+from tiny_models import tiny_model
 
 
 def _float64_norm(self, x):

@@ -6,7 +6,7 @@ import torch
 from quantmla import QuantizedLatentCache, enable_latent_attention
 from quantmla.eval import simulated_decode
 from quantmla.models.compat import cache_kwargs
-from quantmla.models.tiny import tiny_model
+from tiny_models import tiny_model
 
 
 def _fast_and_slow(model, ids, scheme, sink, recent):

@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from quantmla.models import RopeLayout, get_adapter
 from quantmla.models.compat import cache_kwargs
-from quantmla.models.tiny import TINY_CONFIGS, tiny_llama, tiny_model
+from tiny_models import TINY_CONFIGS, tiny_llama, tiny_model
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))

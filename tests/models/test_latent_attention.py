@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from quantmla import QuantizedLatentCache, disable_latent_attention, enable_latent_attention
 from quantmla.models import is_latent_attention_enabled
 from quantmla.models.compat import cache_kwargs
-from quantmla.models.tiny import TINY_CONFIGS, tiny_model
+from tiny_models import TINY_CONFIGS, tiny_model
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 NAMES = sorted(TINY_CONFIGS)

@@ -6,7 +6,7 @@ import torch
 
 import quantmla
 from quantmla.models.loading import builtin_path, builtin_text, load_text, resolve_model_path
-from quantmla.models.tiny import tiny_llama, tiny_model
+from tiny_models import tiny_llama, tiny_model
 
 
 def test_builtin_loads_offline():

@@ -16,8 +16,8 @@ from transformers import DynamicCache
 from quantmla import enable_latent_attention
 from quantmla.models import get_adapter
 from quantmla.models.compat import cache_kwargs
-from quantmla.models.tiny import TINY_CONFIGS, tiny_model
 from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
+from tiny_models import TINY_CONFIGS, tiny_model
 
 
 def _random_transforms(model, seed=0):
