@@ -120,6 +120,11 @@ class LatentModuleState:
     simulation: object | None = None
 
 
+def module_state(module: nn.Module) -> LatentModuleState | None:
+    """The latent-attention state of one MLA module, ``None`` if latent attention is not enabled on it."""
+    return getattr(module, _STATE_ATTR, None)
+
+
 def module_states(model: nn.Module) -> list[LatentModuleState]:
     states = [getattr(m, _STATE_ATTR) for m in model.modules() if hasattr(m, _STATE_ATTR)]
     if not states:
