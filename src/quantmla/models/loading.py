@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config
 
+from quantmla.export_format import read_meta
 from quantmla.models.adapter import get_adapter
 
 DEFAULT_MODEL = "builtin:tiny-mla"
@@ -73,16 +74,12 @@ def load(
     as ``model.quantmla_meta`` (``None`` otherwise), and quantmla commands use its cache scheme.
     """
     path = resolve_model_path(name_or_path)
-    from quantmla.calibrate.api import read_meta
-
     read_meta(path)  # a corrupt or mismatched quantmla.json fails before any weight is loaded
     config = load_config(path)
     get_adapter(config)  # fail early, with the list of supported architectures
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=dtype, attn_implementation=attn_implementation
     ).to(device)
-    from quantmla.calibrate.api import read_meta
-
     model.quantmla_meta = read_meta(path)  # the exported cache scheme, if the directory has one
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
