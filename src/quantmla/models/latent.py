@@ -8,6 +8,13 @@ with a pass-through and registers an attention function that computes, per METHO
     o_h = (sum_t softmax(s_h)_t c_t) @ W_UV,h.T,
 
 so the cache is read as the 576-wide latent only. Module globals are never touched.
+
+The pass-through ``expand_kv`` follows the active attention implementation: when the model is switched
+to another one (``model.set_attn_implementation("sdpa")``, or a write to ``config._attn_implementation``),
+each module expands the latent through ``kv_b_proj`` again, exactly as transformers does, and switching
+back to ``quantmla_latent`` resumes the absorbed path. A forward pre-hook hands the attention function
+the cache the module was called with, so a cache backend with its own decode kernel is reached
+explicitly (``cache.decode_backend(layer_idx)``), never through attributes set on tensors.
 """
 
 from __future__ import annotations
@@ -33,9 +40,26 @@ def _latent_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _passthrough_expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
-    """Replacement for ``expand_kv``: hand the latent and the RoPE key on unexpanded."""
-    return kv_nope, k_rot
+def _latent_expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+    """Replacement for ``expand_kv``: under ``quantmla_latent`` hand the latent and the RoPE key on
+    unexpanded; under any other implementation expand them as transformers does."""
+    if self.config._attn_implementation == ATTN_IMPLEMENTATION:
+        return kv_nope, k_rot
+    state = module_state(self)
+    if state is not None and _decode_backend(state.cache, self.layer_idx) is not None:
+        raise RuntimeError(
+            f"attn_implementation is {self.config._attn_implementation!r}, but this step's cache layer "
+            f"{self.layer_idx} decodes through quantmla's kernel, which only {ATTN_IMPLEMENTATION!r} can read; "
+            f"switch back with model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) or build the cache with "
+            "backend='torch'"
+        )
+    return type(self).expand_kv(self, kv_nope, k_rot)
+
+
+def _decode_backend(cache, layer_idx: int):
+    """The object that attends this single-token step of ``cache`` layer ``layer_idx`` itself, if any."""
+    fn = getattr(cache, "decode_backend", None)
+    return None if fn is None else fn(layer_idx)
 
 
 def absorbed_attention(
@@ -47,13 +71,14 @@ def absorbed_attention(
     w_uv: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None,
-) -> torch.Tensor:
+    return_probs: bool = False,
+):
     """Reference absorbed MLA attention.
 
     Shapes: ``q_nope [B,H,S,d_n]``, ``q_pe [B,H,S,d_r]``, ``latent [B,1,L,d_c]``,
     ``rope_key [B,1,L,d_r]``, ``w_uk [H,d_n,d_c]``, ``w_uv [H,d_v,d_c]``; ``mask`` boolean
     ``[B or 1,1,S,L]`` (True = attend), additive float, or None (causal, aligned to the end).
-    Returns ``[B,S,H,d_v]``.
+    Returns ``[B,S,H,d_v]``, and with ``return_probs`` also the attention probabilities ``[B,H,S,L]``.
     """
     q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
     scores = q_lat @ latent.transpose(-1, -2) + q_pe @ rope_key.transpose(-1, -2)
@@ -70,8 +95,8 @@ def absorbed_attention(
             scores = scores + mask.to(acc)
     probs = torch.softmax(scores, dim=-1).to(latent.dtype)
     o_lat = probs @ latent  # [B,H,S,d_c]
-    out = torch.einsum("bhsc,hvc->bhsv", o_lat, w_uv.to(o_lat.dtype))
-    return out.transpose(1, 2).contiguous()
+    out = torch.einsum("bhsc,hvc->bhsv", o_lat, w_uv.to(o_lat.dtype)).transpose(1, 2).contiguous()
+    return (out, probs) if return_probs else out
 
 
 def latent_attention_forward(
@@ -89,7 +114,7 @@ def latent_attention_forward(
     With the pass-through ``expand_kv``, ``key`` is the content latent ``[B,1,L,d_c]`` and
     ``value`` the RoPE key ``[B,1,L,d_r]`` exactly as the cache returned them.
     """
-    state = getattr(module, _STATE_ATTR, None)
+    state = module_state(module)
     if state is None:
         raise RuntimeError(
             f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but latent "
@@ -101,13 +126,23 @@ def latent_attention_forward(
     nope = module.qk_nope_head_dim
     q_nope, q_pe = query[..., :nope], query[..., nope:]
     scale = module.scaling if scaling is None else scaling
-    kernel_layer = getattr(key, "_quantmla_kernel_layer", None)  # a decode step of the triton backend
-    if kernel_layer is not None:
-        attend = kernel_layer.attend
-        return attend(q_nope, q_pe, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask), None
-    attend = absorbed_attention if state.simulation is None else state.simulation.attend
-    out = attend(q_nope, q_pe, key, value, adapter.w_uk(module), adapter.w_uv(module), scale, attention_mask)
-    return out, None
+    want_probs = bool(kwargs.get("output_attentions", False))
+    w_uk, w_uv = adapter.w_uk(module), adapter.w_uv(module)
+    backend = _decode_backend(state.cache, module.layer_idx)  # a decode step the cache attends itself
+    if backend is not None:
+        if want_probs:
+            raise NotImplementedError(
+                "output_attentions=True: the fused decode kernel does not form the attention probabilities; "
+                "build the cache with backend='torch' to get them"
+            )
+        return backend.attend(q_nope, q_pe, w_uk, w_uv, scale, attention_mask), None
+    if state.simulation is not None:
+        if want_probs:
+            raise NotImplementedError("output_attentions=True is not available under the decode-cache simulation")
+        return state.simulation.attend(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
+    if want_probs:
+        return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=True)
+    return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
 
 
 @dataclass
@@ -118,6 +153,20 @@ class LatentModuleState:
     #: when set, an object whose ``attend`` replaces :func:`absorbed_attention` (e.g. the decode-cache
     #: simulation of ``quantmla eval ppl``)
     simulation: object | None = None
+    #: the cache of the module's call in progress (set by a forward pre-hook, cleared after the call)
+    cache: object | None = None
+
+
+def _bind_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: remember the cache this call of ``module`` was given."""
+    state = module_state(module)
+    state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if state.cache is None and len(args) > 3:  # (hidden_states, position_embeddings, attention_mask, cache)
+        state.cache = args[3]
+
+
+def _release_cache(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    module_state(module).cache = None
 
 
 def module_state(module: nn.Module) -> LatentModuleState | None:
@@ -154,7 +203,11 @@ def enable_latent_attention(model: nn.Module) -> nn.Module:
     if not hasattr(model, "_quantmla_prev_attn"):
         model._quantmla_prev_attn = model.config._attn_implementation
     for _, attn in modules:
-        attn.expand_kv = types.MethodType(_passthrough_expand_kv, attn)
+        if module_state(attn) is not None:  # enabled before: keep its hooks
+            continue
+        attn.expand_kv = types.MethodType(_latent_expand_kv, attn)
+        attn.register_forward_pre_hook(_bind_cache, with_kwargs=True)
+        attn.register_forward_hook(_release_cache, with_kwargs=True, always_call=True)
         setattr(attn, _STATE_ATTR, LatentModuleState(adapter))
     _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     return model
@@ -166,6 +219,9 @@ def disable_latent_attention(model: nn.Module) -> nn.Module:
     for _, attn in adapter.attention_modules(model):
         attn.__dict__.pop("expand_kv", None)
         attn.__dict__.pop(_STATE_ATTR, None)
+        for hooks, fn in ((attn._forward_pre_hooks, _bind_cache), (attn._forward_hooks, _release_cache)):
+            for key in [k for k, h in hooks.items() if h is fn]:  # by identity: survives deepcopy
+                del hooks[key]
     prev = model.__dict__.pop("_quantmla_prev_attn", None)
     if prev is not None:
         _set_attn_implementation(model, prev)
