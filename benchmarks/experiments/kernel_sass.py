@@ -5,9 +5,9 @@ Triton's wheel carries ptxas and cuobjdump, so this runs on any machine with tri
 how the low-bit kernel was tuned between GPU runs (the static counts cover one 64-token tile plus the
 prologue and epilogue).
 
-    python benchmarks/kernel_sass.py                      # both kernels, default launches
-    python benchmarks/kernel_sass.py --bits 4 --warps 8 --stages 2 --block-h 64 --top 30
-    python benchmarks/kernel_sass.py --bits 4 --maxnreg 168 --loop   # register cap; the hot loop's mix
+    python benchmarks/experiments/kernel_sass.py                      # both kernels, default launches
+    python benchmarks/experiments/kernel_sass.py --bits 4 --warps 8 --stages 2 --block-h 64 --top 30
+    python benchmarks/experiments/kernel_sass.py --bits 4 --maxnreg 168 --loop   # register cap; the hot loop's mix
 
 ``--loop`` also counts the instructions of the hottest loop (the widest backward branch): one
 64-token tile per warp, without prologue and epilogue.
@@ -16,7 +16,7 @@ The counts are those of the installed triton. Triton versions lay kernels out di
 that 3.9 compiled well, 3.6 did not: BENCHMARKS.md), so compile with the GPU image's version too:
 
     python -m venv --system-site-packages /tmp/v36 && /tmp/v36/bin/pip install --no-deps triton==3.6.0
-    PYTHONPATH=src:benchmarks /tmp/v36/bin/python benchmarks/kernel_sass.py --loop
+    PYTHONPATH=src:benchmarks /tmp/v36/bin/python benchmarks/experiments/kernel_sass.py --loop
 """
 
 from __future__ import annotations

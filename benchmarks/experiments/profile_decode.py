@@ -5,8 +5,9 @@ alone; the stall reasons and shared-memory traffic behind BENCHMARKS.md's diagno
 
     export PYTHONPATH=src:benchmarks
     ncu --clock-control none --kernel-name regex:_lowbit_kernel --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --metrics $(python benchmarks/profile_decode.py --metrics) \
-        python benchmarks/profile_decode.py --scheme c4r4 --heads 16
+        --section SpeedOfLight --section Occupancy \
+        --metrics $(python benchmarks/experiments/profile_decode.py --metrics) \
+        python benchmarks/experiments/profile_decode.py --scheme c4r4 --heads 16
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import sys
 
 import torch
-from decode_attention import DC, DR, random_store, splits_for
+from decode_attention import DC, DR, random_store
 
 from quantmla.kernels.decode import mla_decode
 
@@ -49,26 +50,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--launches", type=int, default=4)
-    ap.add_argument(
-        "--kernel",
-        default="lib",
-        choices=("lib", "wgmma"),
-        help="lib: mla_decode; wgmma: the experimental Gluon kernel of decode_wgmma.py (16 heads)",
-    )
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     store, bt, n_paged = random_store(args.scheme, args.batch, args.context, gen)
     q = torch.randn(args.batch, args.heads, DC, device="cuda", generator=gen).bfloat16()
     qr = torch.randn(args.batch, args.heads, DR, device="cuda", generator=gen).bfloat16()
-    if args.kernel == "wgmma":
-        from decode_variants import launch
-        from decode_wgmma import _wgmma_lowbit_kernel
-
-        ns = splits_for(8, args.batch, args.heads, bt.shape[1])
-        for _ in range(args.launches):
-            launch(_wgmma_lowbit_kernel, q, qr, store, store.content, bt, n_paged, 1 / math.sqrt(192), ns, 4, 1)
-        torch.cuda.synchronize()
-        return
     for _ in range(args.launches):
         mla_decode(q, qr, store, bt, n_paged, 1 / math.sqrt(192))
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """Small-batch decode on the GPU: the combine pass's launch shape and the number of KV splits.
 
-    PYTHONPATH=src:benchmarks python benchmarks/small_batch.py combine   # combine pass, standalone
-    PYTHONPATH=src:benchmarks python benchmarks/small_batch.py splits    # programs per SM, graph times
+    PYTHONPATH=src:benchmarks python benchmarks/experiments/small_batch.py combine   # combine pass, standalone
+    PYTHONPATH=src:benchmarks python benchmarks/experiments/small_batch.py splits    # programs per SM, graph times
 
 ``combine`` times the library's ``_combine_kernel`` on random split partials for several (channels per
 program, splits per step, warps); ``512, 8, 4`` is the launch before 2026-11-30 (one program per
