@@ -15,7 +15,7 @@ import time
 import torch
 from shapes import v2_lite_attention_model
 
-from quantmla.calibrate import calibrate
+from quantmla.calibrate import calibrate_model
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (args.num_seqs + args.val_seqs, args.seq_len))
     t0 = time.perf_counter()
-    _, rep = calibrate(
+    _, rep = calibrate_model(
         model,
         None,
         ids,

@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 import quantmla
-from quantmla.calibrate import calibrate
-from quantmla.calibrate.api import CalibrationConfig, LayerStage
+from quantmla.calibrate import CalibrationConfig, LayerStage, calibrate_model
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.models.loading import builtin_text
 from quantmla.transforms.fuse import RopeTransform
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ALL_RUNS = (
     "bf16",
     *(f"{m}/{s}" for s in ("c4r4", "c2r4") for m in ("rtn", "smoothquant", "quarot", "quantmla")),
@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-seqs", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                    help="the model's dtype for calibration and evaluation (recorded in every row)")  # fmt: skip
     ap.add_argument("--runs", default=",".join(ALL_RUNS), help=f"comma list of: {', '.join(ALL_RUNS)}")
     ap.add_argument("--merge", type=Path, nargs="+", help="merge the results.json of these output folders")
     ap.add_argument("--seed", type=int, default=0, help="calibration seed (the random Hadamard draws)")
@@ -56,7 +58,7 @@ def main() -> None:
     bad = [r for r in wanted if r not in ALL_RUNS]
     if bad:
         raise SystemExit(f"--runs: unknown {bad}; valid: {', '.join(ALL_RUNS)}")
-    base, tok = quantmla.load(device=args.device)
+    base, tok = quantmla.load(device=args.device, dtype=DTYPES[args.dtype])
     quantmla.enable_latent_attention(base)
     calib_text, test_text = builtin_text("validation"), builtin_text("test")
     results, layers, times = [], {}, {}
@@ -67,7 +69,8 @@ def main() -> None:
             per_window=True,
         )  # fmt: skip
         r = perplexity(model, tok, test_text, cfg, progress=False)
-        return {"ppl": r.ppl, "kl": r.kl, "window_nll": r.window_nll, "tokens_per_window": r.tokens // r.sequences}
+        out = {"ppl": r.ppl, "kl": r.kl, "window_nll": r.window_nll, "tokens_per_window": r.tokens // r.sequences}
+        return {"dtype": args.dtype, **out}
 
     def dump() -> None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
@@ -101,7 +104,7 @@ def main() -> None:
         calibrations = [(s, [s]) for s in settings] if method == "quantmla" else [(settings[0], list(settings))]
         for (c_sink, c_recent), evals in calibrations:
             t0 = time.perf_counter()
-            model, rep = calibrate(
+            model, rep = calibrate_model(
                 copy.deepcopy(base), tok, calib_text, progress=True, layer_stage=stage, scheme=scheme,
                 method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
                 seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
@@ -135,9 +138,13 @@ def main() -> None:
 
 
 def content_only(full: LayerStage, key: tuple) -> LayerStage:
-    rows = [
-        {**r, "rope": {"val_before": r["rope"]["val_before"], "val_after": r["rope"]["val_before"]}} for r in full.rows
-    ]
+    """The ablation's layer stage from the full one: the same content transforms, the RoPE path untouched."""
+    rows = []
+    for r in full.rows:
+        v = r["rope"]["val_before"]
+        rows.append(
+            {**r, "rope": {"val_before": v, "init": "original", "candidate_val": {"original": v}, "val_after": v}}
+        )
     chosen = {}
     for idx, (ct, rt) in full.chosen.items():
         zeros = torch.zeros_like(rt.angles)
@@ -159,15 +166,18 @@ def merge(parts: list[Path], out: Path) -> None:
     merged["paired"] = paired_differences(merged["results"])
     (out / "results.json").write_text(json.dumps(merged, indent=1))
     plot(merged["layers"], out / "layer_errors.png")
-    print("| method | scheme | ppl, sink 4 + recent 128 | ppl, no windows | KL, sink 4 + recent 128 | KL, no windows |")
-    print("|---|---|---|---|---|---|")
+    head = ("method", "scheme", "dtype", "ppl, sink 4 + recent 128", "ppl, no windows", "KL, sink 4 + recent 128",
+            "KL, no windows")  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|---|---|---|---|---|")
     for tag in ALL_RUNS:
         rows = {r["windows"]: r for r in merged["results"] if r["method"] == tag}
         if rows:
             ppl = [f"{rows[w]['ppl']:.3f}" if w in rows else "" for w in ("4+128", "0+0")]
             kl = [f"{rows[w]['kl']:.2e}" if w in rows and rows[w].get("kl") else "" for w in ("4+128", "0+0")]
             scheme = "bf16" if tag == "bf16" else tag.split("/")[1]
-            print(f"| {tag} | {scheme} | " + " | ".join(ppl + kl) + " |")
+            dtype = next(iter(rows.values())).get("dtype", merged["args"].get("dtype", "float32"))
+            print(f"| {tag} | {scheme} | {dtype} | " + " | ".join(ppl + kl) + " |")
     print("\nPaired bootstrap over test windows, QuantMLA minus each baseline (ppl; 95% interval):")
     for p in merged["paired"]:
         ci = f"[{p['lo']:+.4f}, {p['hi']:+.4f}]"

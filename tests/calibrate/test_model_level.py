@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quantmla import enable_latent_attention
-from quantmla.calibrate import calibrate
+from quantmla.calibrate import calibrate_model
 from quantmla.calibrate.model_level import LayerPaths, ModelLevelConfig, _Installed, refine
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.eval.simulate import simulated_decode
@@ -108,12 +108,12 @@ def test_model_level_config_errors():
 def test_layer_stage_is_reused_and_checked():
     ids = torch.randint(0, 100, (6, 32), generator=torch.Generator().manual_seed(0))
     cfg = dict(scheme="c4r4", steps=2, num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)
-    _, rep = calibrate(tiny_model("deepseek_v3"), None, ids, model_steps=2, sink=0, recent=0, **cfg)
+    _, rep = calibrate_model(tiny_model("deepseek_v3"), None, ids, model_steps=2, sink=0, recent=0, **cfg)
     assert rep.model_level["sink"] == 0 and len(rep.model_level["history"]) == 2
     assert all("val_final" in row["content"] for row in rep.layers)
-    _, rep2 = calibrate(
+    _, rep2 = calibrate_model(
         tiny_model("deepseek_v3"), None, ids, model_steps=2, sink=4, recent=8, layer_stage=rep.layer_stage, **cfg
     )
     assert rep2.layer_stage is rep.layer_stage and rep2.model_level["recent"] == 8
     with pytest.raises(ValueError, match="different config"):
-        calibrate(tiny_model("deepseek_v3"), None, ids, layer_stage=rep.layer_stage, **{**cfg, "steps": 3})
+        calibrate_model(tiny_model("deepseek_v3"), None, ids, layer_stage=rep.layer_stage, **{**cfg, "steps": 3})

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from quantmla import enable_latent_attention
 from quantmla.models import get_adapter
 from quantmla.models.compat import cache_kwargs
-from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
+from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, original_basis, random_orthogonal
 from tiny_models import TINY_CONFIGS, tiny_model
 
 
@@ -111,11 +111,52 @@ def test_cached_tensors_are_transformed(name):
         assert torch.allclose(k2, k @ rope[idx].matrix(cp), atol=tol)
 
 
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_original_basis_is_the_identity_of_the_cache(name):
+    """R = diag(sign g), S = |g| (g with negative entries): float64 logits equal to 1e-12, the cached latent
+    bit-identical to the untouched model's, kv_b_proj bit-identical; R = I, S = 1 does change the cache."""
+    ref = _exact_norms(tiny_model(name, dtype=torch.float64))
+    adapter = get_adapter(ref)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, attn in adapter.attention_modules(ref):
+            w = adapter.kv_norm(attn).weight
+            gain = torch.exp(0.8 * torch.randn(w.shape, generator=g, dtype=torch.float64))
+            gain[::3] *= -1
+            w.copy_(gain)
+    modules = dict(adapter.attention_modules(ref))
+    fused = fuse_transforms(
+        _exact_norms(copy.deepcopy(ref)), {i: original_basis(adapter.kv_norm(a).weight) for i, a in modules.items()}
+    )
+    unit = fuse_transforms(
+        _exact_norms(copy.deepcopy(ref)),
+        {i: ContentTransform(torch.eye(a.kv_lora_rank).double(), torch.ones(a.kv_lora_rank).double())
+         for i, a in modules.items()},
+    )  # fmt: skip
+    ids = torch.randint(3, 256, (2, 19))
+    caches = []
+    with torch.no_grad():
+        logits = ref(ids).logits
+        assert (fused(ids).logits - logits).abs().max().item() <= 1e-12
+        for m in (ref, fused, unit):
+            cache = DynamicCache(config=m.config)
+            m(ids, use_cache=True, **cache_kwargs(cache))
+            caches.append(cache)
+    for idx, attn in modules.items():
+        c, c_fused, c_unit = (cache.layers[idx].keys for cache in caches)
+        assert torch.equal(c_fused, c), idx  # the cache is the untouched model's c
+        assert not torch.allclose(c_unit, c, atol=1e-3)  # while R = I, S = 1 caches c / g
+        f_attn = dict(get_adapter(fused).attention_modules(fused))[idx]
+        assert torch.equal(f_attn.kv_b_proj.weight, attn.kv_b_proj.weight)
+
+
 def test_bad_transforms():
     with pytest.raises(ValueError, match="not orthogonal"):
         ContentTransform(torch.randn(8, 8).double(), torch.ones(8).double())
     with pytest.raises(ValueError, match="positive"):
         ContentTransform(torch.eye(8).double(), -torch.ones(8).double())
     m = tiny_model("deepseek_v3", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"latent gain is 0 in channels \[2\]"):
+        original_basis(torch.tensor([1.0, -2.0, 0.0]))
     with pytest.raises(ValueError, match="no attention module with cache index 9"):
         fuse_transforms(m, content={9: ContentTransform(torch.eye(128).double(), torch.ones(128).double())})

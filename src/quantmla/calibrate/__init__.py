@@ -1,4 +1,6 @@
-from quantmla.calibrate.api import CalibrationConfig, CalibrationReport, calibrate, export, read_meta
-from quantmla.calibrate.methods import METHODS
+"""Calibrate, fuse and export: :func:`calibrate_model`, :func:`export` (format: :mod:`quantmla.export_format`)."""
 
-__all__ = ["METHODS", "CalibrationConfig", "CalibrationReport", "calibrate", "export", "read_meta"]
+from quantmla.calibrate.api import CalibrationConfig, CalibrationReport, LayerStage, calibrate_model, export
+from quantmla.export_format import METHODS, read_meta
+
+__all__ = ["METHODS", "CalibrationConfig", "CalibrationReport", "LayerStage", "calibrate_model", "export", "read_meta"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,17 +11,24 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantmla.calibrate.methods import METHODS, LearnConfig, _mean_loss, content_transform, rope_transform
+from quantmla.calibrate.methods import (
+    ORIGINAL,
+    LearnConfig,
+    content_transform,
+    mean_layer_loss,
+    rope_transform,
+)
 from quantmla.calibrate.model_level import ModelLevelConfig, refine
 from quantmla.calibrate.objectives import collect, content_loss, latent_gain, rope_loss
+from quantmla.export_format import META_FORMAT, METHODS, write_meta
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import disable_latent_attention, enable_latent_attention, is_latent_attention_enabled
 from quantmla.quant.scheme import parse_scheme
-from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope
+from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope, original_basis
 
-META_FILE = "quantmla.json"
-META_FORMAT = 1
+logger = logging.getLogger(__name__)
 PATHS = ("content", "rope")
+LAYER_STAGE_VERSION = 2  # 2: the original-basis identity among every method's candidates (RTN = untouched)
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class CalibrationConfig:
     def layer_key(self) -> tuple:
         """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
         skip = {"sink", "recent", "model_steps", "model_lr", "model_objective"}
-        return tuple((k, v) for k, v in asdict(self).items() if k not in skip)
+        return (("version", LAYER_STAGE_VERSION), *((k, v) for k, v in asdict(self).items() if k not in skip))
 
 
 @dataclass
@@ -91,7 +98,7 @@ class CalibrationReport:
         return d
 
 
-def calibrate(
+def calibrate_model(
     model: nn.Module, tokenizer, texts, progress: bool = True, layer_stage: LayerStage | None = None, **kwargs
 ):
     """Calibrate ``model`` in place for a quantised cache and return ``(model, report)``.
@@ -99,11 +106,15 @@ def calibrate(
     ``texts``: a string, a list of strings (joined), or token windows ``[N, T]``; keyword arguments
     are :class:`CalibrationConfig` fields (``scheme``, ``method``, ``steps``, ``num_seqs``, ...).
     The model keeps its full-precision function exactly; only the basis of each cached path changes.
-    ``method="quantmla"`` runs the layer stage (per layer and path, the paper's objectives) and then
-    the model stage (:mod:`quantmla.calibrate.model_level`, ``model_steps`` > 0): all layers jointly
-    against the KL from the full-precision model, with the cache as decode sees it (``sink``, ``recent``).
-    ``layer_stage``: ``report.layer_stage`` of an earlier run on the same (unfused) model, data and
-    config up to ``sink``, ``recent`` and the model-level fields; it skips the layer-local stage.
+    ``method="rtn"`` leaves the weights untouched (the report still holds its held-out layer errors).
+    Every other method picks, per layer and path on held-out data, between its transform and the
+    original-basis identity (the untouched model's cache), so none is worse than RTN on its layer
+    objective. ``method="quantmla"`` runs the layer stage (per layer and path, the paper's
+    objectives) and then the model stage (:mod:`quantmla.calibrate.model_level`, ``model_steps`` > 0):
+    all layers jointly against the KL from the full-precision model, with the cache as decode sees it
+    (``sink``, ``recent``). ``layer_stage``: ``report.layer_stage`` of an earlier run on the same
+    (unfused) model, data and config up to ``sink``, ``recent`` and the model-level fields; it skips
+    the layer-local stage.
     """
     from quantmla.eval.ppl import token_windows
 
@@ -121,7 +132,6 @@ def calibrate(
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
     adapter = get_adapter(model)
-    scheme = parse_scheme(cfg.scheme)
     modules = list(adapter.attention_modules(model))
     if layer_stage is None:
         layer_stage = _layer_stage(model, adapter, modules, train_w, val_w, cfg, report.data_sha256, progress)
@@ -129,23 +139,38 @@ def calibrate(
         raise ValueError("layer_stage comes from a different config or calibration data; run without it")
     report.layer_stage = layer_stage
     report.layers = [dict(r) for r in layer_stage.rows]
+    if cfg.method == "rtn":
+        logger.info("method rtn: the model's weights are left untouched (the cache quantises c as the model has it)")
+        return model, report
     chosen = dict(layer_stage.chosen)
     if cfg.method == "quantmla" and cfg.model_steps > 0:
         chosen, report.model_level = _model_stage(model, adapter, modules, train_w, val_w, cfg, layer_stage, progress)
     for idx, attn in modules:
-        fuse_content(adapter, attn, chosen[idx][0])
-        fuse_rope(adapter, attn, chosen[idx][1], model.config)
-    if report.model_level is not None:  # the layer objectives of the final transforms, for the report
-        for row, (idx, attn) in zip(report.layers, modules, strict=True):
-            val = collect(model, idx, val_w, cfg.batch_size)
-            g = latent_gain(adapter, attn)  # the fused model's: the transforms are in the weights now
-            eye_c, ones = torch.eye(g.shape[0], dtype=torch.float64), torch.ones(g.shape[0], dtype=torch.float64)
-            eye_r = torch.eye(attn.qk_rope_head_dim, dtype=torch.float64)
-            c_err = _mean_loss(lambda b: content_loss(b, g, eye_c, ones, scheme.content, cfg.group_size), val)  # noqa: B023
-            r_err = _mean_loss(lambda b: rope_loss(b, eye_r, eye_r, scheme.rope, cfg.group_size), val)  # noqa: B023
-            row["content"]["val_final"], row["rope"]["val_final"] = c_err, r_err
-            del val
+        if "content" in cfg.paths:
+            fuse_content(adapter, attn, chosen[idx][0])
+        if "rope" in cfg.paths:
+            fuse_rope(adapter, attn, chosen[idx][1], model.config)
+    if report.model_level is not None:
+        _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     return model, report
+
+
+def _final_layer_errors(model, adapter, modules, val_w, cfg, rows) -> None:
+    """Each layer's held-out objectives in the fused model, whose cache is quantised as it is (RTN there)."""
+    scheme = parse_scheme(cfg.scheme)
+    for row, (idx, attn) in zip(rows, modules, strict=True):
+        val = collect(model, idx, val_w, cfg.batch_size)
+        g = latent_gain(adapter, attn)  # the fused model's gain: its original basis is the cache c' itself
+        ident = original_basis(g)
+        eye_r = torch.eye(attn.qk_rope_head_dim, dtype=torch.float64)
+        c_err = mean_layer_loss(
+            lambda b: content_loss(b, g, ident.rotation, ident.scales, scheme.content, cfg.group_size),  # noqa: B023
+            val,
+        )
+        r_err = mean_layer_loss(lambda b: rope_loss(b, eye_r, eye_r, scheme.rope, cfg.group_size), val)  # noqa: B023
+        row["content"] = {**row["content"], "val_final": c_err}
+        row["rope"] = {**row["rope"], "val_final": r_err}
+        del val
 
 
 def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress) -> LayerStage:
@@ -172,25 +197,33 @@ def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progres
     return LayerStage(cfg.layer_key(), data_sha, rows, chosen, candidates)
 
 
-# model-level starts: every layer from the layer stage, or every layer with one baseline's transforms
+# model-level starts besides QuantMLA's layer stage: every layer with one baseline's transforms, each
+# layer choosing (as the baseline does) between the baseline's candidate and the original basis
 _UNIFORM_STARTS = {
-    "rtn": ("identity", "identity"),
+    "rtn": (ORIGINAL, ORIGINAL),  # the untouched model
     "smoothquant": ("smooth", "smooth"),
     "quarot": ("hadamard", "quarot"),
 }
 
 
+def _baseline_choice(name: str, path_row: dict) -> str:
+    """The candidate the baseline with candidate ``name`` picks for one layer path (as methods.py does)."""
+    vals = path_row["candidate_val"]
+    return name if name in vals and vals[name] < vals[ORIGINAL] else ORIGINAL
+
+
 def _model_stage(model, adapter, modules, train_w, val_w, cfg, stage: LayerStage, progress):
     starts = {"quantmla-layer": dict(stage.chosen)}
+    rows = {row["layer"]: row for row in stage.rows}
     for name, (c_name, r_name) in _UNIFORM_STARTS.items():
         start = {}
         for idx, _ in modules:
             c_cands, r_cands = stage.candidates[idx]
             ct, rt = stage.chosen[idx]
             if "content" in cfg.paths:
-                ct = c_cands.get(c_name)
+                ct = c_cands.get(_baseline_choice(c_name, rows[idx]["content"]))
             if "rope" in cfg.paths:
-                rt = r_cands.get(r_name)
+                rt = r_cands.get(_baseline_choice(r_name, rows[idx]["rope"]))
             if ct is None or rt is None:
                 break
             start[idx] = (ct, rt)
@@ -232,6 +265,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         "recent": cfg.recent,
         "steps": cfg.steps,
         "paths": list(cfg.paths),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "calibration": {
             "num_seqs": cfg.num_seqs,
             "val_seqs": cfg.val_seqs,
@@ -249,27 +283,5 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         if report.model_level is None
         else {**report.model_level, "steps": cfg.model_steps, "lr": cfg.model_lr},
     }
-    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    write_meta(out, meta)
     return out
-
-
-def read_meta(path: str | Path) -> dict | None:
-    """The validated ``quantmla.json`` of a model directory, ``None`` if it has none."""
-    f = Path(path) / META_FILE
-    if not f.exists():
-        return None
-    try:
-        meta = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f} is not valid JSON ({e}); re-export the model with `quantmla calibrate`") from None
-    need = {"format": int, "scheme": str, "method": str, "group_size": int, "sink": int, "recent": int}
-    missing = [k for k in need if k not in meta]
-    wrong = [k for k, t in need.items() if k in meta and not isinstance(meta[k], t)]
-    if missing or wrong:
-        raise ValueError(f"{f}: missing keys {missing}, wrongly typed keys {wrong}; expected {list(need)}")
-    if meta["format"] != META_FORMAT:
-        raise ValueError(f"{f}: format {meta['format']} is not supported (this quantmla reads {META_FORMAT})")
-    parse_scheme(meta["scheme"])  # raises with the valid names
-    if meta["method"] not in METHODS:
-        raise ValueError(f"{f}: method {meta['method']!r} unknown; valid: {', '.join(METHODS)}")
-    return meta

@@ -1,21 +1,34 @@
 """Per-layer transforms of each method, all in the fusable spaces of :mod:`quantmla.transforms`.
 
-* ``rtn``: no transform;
-* ``smoothquant``: per-channel content scales and per-pair RoPE scales that flatten the ranges
-  (``s_j = (m / max|c_j|)^alpha``, ``m`` their geometric mean, alpha 0.5);
-* ``quarot``: a randomised Hadamard rotation of the content latent; on the RoPE path the randomised
-  Hadamard that commutes with RoPE, a 2x2 Hadamard per pair (rotation by +-pi/4);
+The fused model caches ``c diag(g)^-1 R S`` (``g`` the ``kv_a_layernorm`` gain). The *original-basis
+identity* (``R = diag(sign g)``, ``S = |g|``) makes that ``c`` itself, the untouched model's cache:
+it is RTN, and it is a candidate of every method, so that on held-out data no method's layer
+objective is worse than plain RTN. Per layer and path the held-out objective picks between the
+method's transform and the original-basis identity (``info["init"]`` names the one chosen,
+``info["candidate_val"]`` holds every candidate's held-out value):
+
+* ``rtn``: the original-basis identity (:func:`quantmla.calibrate.calibrate_model` fuses nothing);
+* ``smoothquant``: per-channel content scales that flatten the ranges of the cached ``c`` in the
+  original basis, ``S = |g| smooth_scales(amax|c|)`` with ``s_j = (m / max|c_j|)^alpha`` (``m`` their
+  geometric mean, alpha 0.5). SmoothQuant never divides a norm gain out, so the scales act on ``c``
+  as the model caches it. On the RoPE path the same per-pair scales of the key's pair norms;
+* ``quarot``: a randomised Hadamard rotation of the *normalised, pre-gain* latent ``c / g``
+  (``R = H``, ``S = 1``), the gain folded into ``kv_b_proj``: QuaRot folds every norm's gain into the
+  next weight and rotates the normalised vector, which is what this does. On the RoPE path the
+  randomised Hadamard that commutes with RoPE, a 2x2 Hadamard per pair (rotation by +-pi/4);
 * ``quantmla``: learned R, S (content; R0 exp(A - A^T)) and phi, sigma (RoPE) against the
-  function-aligned objectives, best step on held-out data. Every baseline's transform is a
-  candidate start (content: identity, the SmoothQuant scales, a randomised Hadamard; RoPE:
-  identity, the SmoothQuant pair scales, the QuaRot pair rotations); the one that validates best is
-  trained. Step 0 counts, so on held-out data QuantMLA's layer objective is never worse than a
-  baseline's. The candidates are returned (``info["candidates"]``) for the model-level stage
-  (:mod:`quantmla.calibrate.model_level`).
+  function-aligned objectives, best step on held-out data. Its start points are the
+  original-basis identity (``original``), the unit-gain identity (``unit-gain``: ``R = I``,
+  ``S = 1``, the cache ``c / g``), the SmoothQuant scales (``smooth``) and the randomised Hadamard
+  (``hadamard``); RoPE: the identity (``original``), the SmoothQuant pair scales and the QuaRot pair
+  rotations. The one that validates best is trained; step 0 counts, so on held-out data QuantMLA's
+  layer objective is never worse than RTN's or a baseline's. The candidates are returned
+  (``info["candidates"]``) for the model-level stage (:mod:`quantmla.calibrate.model_level`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -23,10 +36,13 @@ import torch
 from torch import nn
 
 from quantmla.calibrate.objectives import LayerBatch, content_loss, rope_loss
+from quantmla.export_format import METHODS
 from quantmla.quant.scheme import PathFormat
-from quantmla.transforms.fuse import ContentTransform, RopeTransform
+from quantmla.transforms.fuse import ContentTransform, RopeTransform, original_basis
 
-METHODS = ("rtn", "smoothquant", "quarot", "quantmla")
+logger = logging.getLogger(__name__)
+ORIGINAL = "original"  # the candidate name of the original-basis identity (RTN)
+_LOGGED: set[tuple] = set()
 
 
 def hadamard(d: int, generator: torch.Generator) -> torch.Tensor:
@@ -57,25 +73,28 @@ class LearnConfig:
 
 
 class ContentParam(nn.Module):
+    """``R = R0 exp(A - A^T)``, ``s = s0 exp(u)``; at ``A = 0``, ``u = 0`` exactly the start ``(R0, s0)``."""
+
     def __init__(self, r0: torch.Tensor, s0: torch.Tensor | None = None) -> None:
         super().__init__()
         d = r0.shape[0]
-        self.register_buffer("r0", r0)
+        self.register_buffer("r0", r0.double().clone())
+        self.register_buffer("s0", torch.ones(d, dtype=torch.float64) if s0 is None else s0.double().clone())
         self.skew = nn.Parameter(torch.zeros(d, d, dtype=torch.float64))
-        log_s = torch.zeros(d, dtype=torch.float64) if s0 is None else s0.double().log()
-        self.log_s = nn.Parameter(log_s)
+        self.log_ds = nn.Parameter(torch.zeros(d, dtype=torch.float64))
 
     def rotation(self) -> torch.Tensor:
         return self.r0 @ torch.matrix_exp(self.skew - self.skew.T)
 
     def scales(self) -> torch.Tensor:
-        return torch.exp(self.log_s)
+        return self.s0 * torch.exp(self.log_ds)
 
     @torch.no_grad()
     def set_(self, t: ContentTransform) -> None:
         self.r0.copy_(t.rotation)
+        self.s0.copy_(t.scales)
         self.skew.zero_()
-        self.log_s.copy_(t.scales.double().log())
+        self.log_ds.zero_()
 
     @torch.no_grad()
     def transform(self) -> ContentTransform:
@@ -104,65 +123,83 @@ class RopeParam(nn.Module):
         return RopeTransform(self.angles.clone(), self.log_scales.clone())
 
 
-def _mean_loss(fn, batches: list[LayerBatch]) -> float:
+def mean_layer_loss(fn, batches: list[LayerBatch]) -> float:
+    """The mean of a layer objective ``fn(batch)`` over ``batches``, without gradients."""
     with torch.no_grad():
         return sum(float(fn(b)) for b in batches) / len(batches)
 
 
-def learn(param: nn.Module, loss_fn, train: list[LayerBatch], val: list[LayerBatch], cfg: LearnConfig):
-    """Adam on ``param``; returns (best validation loss, its step, the parameters at that step)."""
+def learn(
+    param: nn.Module,
+    loss_fn,
+    train: list[LayerBatch],
+    val: list[LayerBatch],
+    cfg: LearnConfig,
+    start_val: float | None = None,
+):
+    """Adam on ``param``; returns (best validation loss, its step); ``param`` is left at that step.
+
+    ``start_val``: the held-out loss of the start, if already known (step 0 counts with that value).
+    """
     opt = torch.optim.Adam(param.parameters(), lr=cfg.lr)
-    best = (_mean_loss(loss_fn, val), 0, {k: v.detach().clone() for k, v in param.state_dict().items()})
+    v0 = mean_layer_loss(loss_fn, val) if start_val is None else start_val
+    best = (v0, 0, {k: v.detach().clone() for k, v in param.state_dict().items()})
     for step in range(1, cfg.steps + 1):
         loss = loss_fn(train[(step - 1) % len(train)])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            v = _mean_loss(loss_fn, val)
+            v = mean_layer_loss(loss_fn, val)
             if v < best[0]:
                 best = (v, step, {k: t.detach().clone() for k, t in param.state_dict().items()})
     param.load_state_dict(best[2])
     return best[0], best[1]
 
 
+def _pick(vals: dict[str, float]) -> str:
+    """The candidate with the lowest held-out value; a tie goes to the earlier one (``original`` first)."""
+    return min(vals, key=vals.get)
+
+
 def content_transform(
     method: str, train, val, g, fmt: PathFormat, group_size: int, cfg: LearnConfig, gen: torch.Generator
 ) -> tuple[ContentTransform, dict]:
+    """The content transform of ``method`` for one layer, and its report (held-out values, choice)."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; valid: {', '.join(METHODS)}")
     d = g.shape[0]
-    eye = torch.eye(d, dtype=torch.float64)
-    ones = torch.ones(d, dtype=torch.float64)
-
-    def loss_of(rot, sc):
-        return lambda b: content_loss(
-            b, g, rot() if callable(rot) else rot, sc() if callable(sc) else sc, fmt, group_size
-        )
-
-    base = _mean_loss(loss_of(eye, ones), val)
-    if method == "rtn":
-        return ContentTransform(eye, ones), {"val_before": base, "val_after": base}
-    amax = torch.stack([(b.c[:, 0].double() / g).abs().amax((0, 1)) for b in train]).amax(0).cpu()
-    smooth = smooth_scales(amax)
-    if method == "smoothquant":
-        return ContentTransform(eye, smooth), {"val_before": base, "val_after": _mean_loss(loss_of(eye, smooth), val)}
-    # one draw of the randomised Hadamard, shared by QuaRot and QuantMLA's Hadamard start point
-    h = hadamard(d, gen) if not d & (d - 1) else None
-    if method == "quarot":
-        if h is None:
+    orig = original_basis(g)
+    cands = {ORIGINAL: orig}
+    if method in ("smoothquant", "quantmla"):
+        amax = torch.stack([b.c[:, 0].double().abs().amax((0, 1)) for b in train]).amax(0).cpu()
+        cands["smooth"] = ContentTransform(orig.rotation, orig.scales * smooth_scales(amax))
+    if method in ("quarot", "quantmla"):
+        # one draw of the randomised Hadamard, shared by QuaRot and QuantMLA's Hadamard start point
+        if not d & (d - 1):
+            cands["hadamard"] = ContentTransform(hadamard(d, gen), torch.ones(d, dtype=torch.float64))
+        elif method == "quarot":
             raise ValueError(f"quarot needs a power-of-two latent dimension, got {d}")
-        return ContentTransform(h, ones), {"val_before": base, "val_after": _mean_loss(loss_of(h, ones), val)}
+        elif ("hadamard", d) not in _LOGGED:
+            _LOGGED.add(("hadamard", d))
+            logger.info("QuantMLA: no Hadamard start point (latent dimension %d is not a power of two)", d)
+    if method == "quantmla":
+        cands["unit-gain"] = ContentTransform(torch.eye(d, dtype=torch.float64), torch.ones(d, dtype=torch.float64))
+
+    def loss_of(t: ContentTransform):
+        return lambda b: content_loss(b, g, t.rotation, t.scales, fmt, group_size)
+
+    vals = {name: mean_layer_loss(loss_of(t), val) for name, t in cands.items()}
+    init = _pick(vals)
+    info = {"val_before": vals[ORIGINAL], "init": init, "candidate_val": vals}
     if method != "quantmla":
-        raise ValueError(f"method={method!r}; valid: {METHODS}")
-    candidates = [("identity", eye, None), ("smooth", eye, smooth)]
-    if h is not None:
-        candidates.append(("hadamard", h, None))
-    # the start that validates best is the one trained (training every start costs 3x, for little)
-    init, r0, s0 = min(candidates, key=lambda c: _mean_loss(loss_of(c[1], ones if c[2] is None else c[2]), val))
-    p = ContentParam(r0, s0)
-    v, step = learn(p, loss_of(p.rotation, p.scales), train, val, cfg)
-    info = {"val_before": base, "val_after": v, "best_step": step, "init": init}
-    info["candidates"] = {name: ContentTransform(r, ones if s is None else s) for name, r, s in candidates}
-    return p.transform(), info
+        return cands[init], {**info, "val_after": vals[init]}
+    p = ContentParam(cands[init].rotation, cands[init].scales)
+    v, step = learn(
+        p, lambda b: content_loss(b, g, p.rotation(), p.scales(), fmt, group_size), train, val, cfg, vals[init]
+    )
+    info.update(val_after=v, best_step=step, candidates=cands)
+    return (cands[init] if step == 0 else p.transform()), info
 
 
 def rope_transform(
@@ -175,36 +212,34 @@ def rope_transform(
     cfg: LearnConfig,
     gen: torch.Generator,
 ) -> tuple[RopeTransform, dict]:
+    """The RoPE transform of ``method`` for one layer (the identity is the original basis here)."""
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}; valid: {', '.join(METHODS)}")
     n = pairs.shape[0]
     zeros = torch.zeros(n, dtype=torch.float64)
+    cands = {ORIGINAL: RopeTransform(zeros, zeros.clone())}
+    if method in ("smoothquant", "quantmla"):
+        norms = torch.stack([b.r[:, 0].double()[..., pairs.to(b.r.device)].norm(dim=-1).amax((0, 1)) for b in train])
+        cands["smooth"] = RopeTransform(zeros.clone(), smooth_scales(norms.amax(0).cpu()).log())
+    if method in ("quarot", "quantmla"):
+        signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
+        cands["quarot"] = RopeTransform(signs * math.pi / 4, zeros.clone())
 
     def loss_of(t: RopeTransform):
         return lambda b: rope_loss(b, t.matrix(pairs), t.inverse_matrix(pairs), fmt, group_size)
 
-    ident = RopeTransform(zeros, zeros)
-    base = _mean_loss(loss_of(ident), val)
-    if method == "rtn":
-        return ident, {"val_before": base, "val_after": base}
-    norms = torch.stack([b.r[:, 0].double()[..., pairs.to(b.r.device)].norm(dim=-1).amax((0, 1)) for b in train])
-    smooth = RopeTransform(zeros, smooth_scales(norms.amax(0).cpu()).log())
-    if method == "smoothquant":
-        return smooth, {"val_before": base, "val_after": _mean_loss(loss_of(smooth), val)}
-    signs = torch.randint(0, 2, (n,), generator=gen).double() * 2 - 1
-    quarot = RopeTransform(signs * math.pi / 4, zeros)
-    if method == "quarot":
-        return quarot, {"val_before": base, "val_after": _mean_loss(loss_of(quarot), val)}
+    vals = {name: mean_layer_loss(loss_of(t), val) for name, t in cands.items()}
+    init = _pick(vals)
+    info = {"val_before": vals[ORIGINAL], "init": init, "candidate_val": vals}
     if method != "quantmla":
-        raise ValueError(f"method={method!r}; valid: {METHODS}")
-    starts = (("identity", ident), ("smooth", smooth), ("quarot", quarot))
-    init, start = min(starts, key=lambda c: _mean_loss(loss_of(c[1]), val))  # the best start is trained
+        return cands[init], {**info, "val_after": vals[init]}
     p = RopeParam(n, pairs)
-    p.set_(start)
+    p.set_(cands[init])
 
     def live(b):
         t = p.transform()
         return rope_loss(b, t.matrix(pairs), t.inverse_matrix(pairs), fmt, group_size)
 
-    v, step = learn(p, live, train, val, cfg)
-    t = p.snapshot()
-    info = {"val_before": base, "val_after": v, "best_step": step, "init": init, "candidates": dict(starts)}
-    return t, info
+    v, step = learn(p, live, train, val, cfg, vals[init])
+    info.update(val_after=v, best_step=step, candidates=cands)
+    return (cands[init] if step == 0 else p.snapshot()), info

@@ -7,10 +7,13 @@ in the loop (straight-through estimator) and the cache exactly as decode sees it
 sink and recent windows, :class:`~quantmla.eval.simulate.SimulatedDecodeCache`), and minimises the
 KL divergence of the next-token distributions from the full-precision model's:
 
-* the start is the candidate set (the layer-local QuantMLA transforms, and each baseline's transforms
-  on every layer) with the lowest held-out KL, so QuantMLA's held-out KL is never worse than a
+* the start is the candidate set with the lowest held-out KL: the layer-local QuantMLA transforms,
+  the untouched model (``rtn``: the original-basis identity on every layer) and each baseline's
+  transforms on every layer (each layer choosing, as the baseline does, between the baseline's
+  transform and the original basis), so QuantMLA's held-out KL is never worse than RTN's or a
   baseline's;
-* Adam on all layers' parameters jointly, best step on the held-out KL (step 0 counts).
+* Adam on all layers' parameters jointly, best step on the held-out KL (step 0 counts and returns
+  the start's transforms exactly).
 
 The model's weights stay frozen; the result is fused like any other transform.
 """
@@ -26,7 +29,7 @@ from tqdm.auto import tqdm
 from quantmla.calibrate.methods import ContentParam, RopeParam
 from quantmla.calibrate.objectives import quantize_content, quantize_rope
 from quantmla.eval.simulate import SimulatedDecodeCache, installed
-from quantmla.models.latent import _STATE_ATTR
+from quantmla.models.latent import module_state
 from quantmla.quant.scheme import CacheScheme
 from quantmla.transforms.fuse import ContentTransform, RopeTransform
 
@@ -90,7 +93,9 @@ class _Installed:
     """Each module attends through its layer's :class:`TransformedDecodeCache` while entered (re-enterable)."""
 
     def __init__(self, modules, layers: dict[int, LayerPaths], scheme, group_size, sink, recent) -> None:
-        self.states = [getattr(attn, _STATE_ATTR) for _, attn in modules]
+        self.states = [module_state(attn) for _, attn in modules]
+        if any(s is None for s in self.states):
+            raise ValueError("latent attention is not enabled on every attention module; call enable_latent_attention")
         self.sims = [TransformedDecodeCache(scheme, group_size, sink, recent, paths=layers[idx]) for idx, _ in modules]
         self._ctx = None
 
@@ -113,7 +118,8 @@ def _loss(model, x: torch.Tensor, install: _Installed, objective: str) -> torch.
     return torch.nn.functional.kl_div(out.flatten(0, 1), ref.flatten(0, 1), log_target=True, reduction="batchmean")
 
 
-def _mean_loss(model, windows, install, cfg: ModelLevelConfig, device) -> float:
+def mean_model_loss(model, windows, install, cfg: ModelLevelConfig, device) -> float:
+    """The model-level objective (``cfg.objective``) per token over ``windows``, without gradients."""
     with torch.no_grad():
         parts = [
             float(_loss(model, w.to(device), install, cfg.objective)) * len(w)
@@ -161,7 +167,7 @@ def refine(
         for name, start in starts.items():
             for idx, lp in layers.items():
                 lp.set_(*start[idx])
-            start_loss[name] = _mean_loss(model, val_w, install, cfg, device)
+            start_loss[name] = mean_model_loss(model, val_w, install, cfg, device)
         init = min(start_loss, key=start_loss.get)
         for idx, lp in layers.items():
             lp.set_(*starts[init][idx])
@@ -169,7 +175,7 @@ def refine(
         opt = torch.optim.Adam(params, lr=cfg.lr)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(cfg.steps, 1))
         snap = lambda: {idx: lp.transforms() for idx, lp in layers.items()}  # noqa: E731
-        best = (start_loss[init], 0, snap())
+        best = (start_loss[init], 0, dict(starts[init]))  # step 0: the start itself, exactly
         history = [(0, start_loss[init])]
         g = torch.Generator().manual_seed(0)
         bar = tqdm(range(1, cfg.steps + 1), desc=f"model-level {cfg.objective}", unit="step", disable=not progress)
@@ -181,7 +187,7 @@ def refine(
             opt.step()
             sched.step()
             if step % cfg.eval_every == 0 or step == cfg.steps:
-                v = _mean_loss(model, val_w, install, cfg, device)
+                v = mean_model_loss(model, val_w, install, cfg, device)
                 history.append((step, v))
                 bar.set_postfix(val=f"{v:.3e}", best=f"{best[0]:.3e}")
                 if v < best[0]:

@@ -19,12 +19,13 @@ from torch import nn
 from quantmla.analysis.capture import AttentionCall, capture_attention_call
 from quantmla.analysis.response import run_attention
 from quantmla.models.adapter import MLAAdapter
-from quantmla.models.latent import _STATE_ATTR, absorbed_attention
+from quantmla.models.latent import absorbed_attention, module_state
 from quantmla.quant.scheme import PathFormat
 
 
 def ste_quantize(x: torch.Tensor, fmt: PathFormat, group_size: int) -> torch.Tensor:
-    return x + (fmt.fake_quantize(x.detach(), group_size) - x).detach()
+    """``fmt``'s fake quantisation of ``x`` (the forward value exactly), with the identity as gradient."""
+    return fmt.fake_quantize(x.detach(), group_size) + (x - x.detach())
 
 
 class _QueryRecorder:
@@ -54,7 +55,9 @@ def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int
     out = []
     for i in range(0, len(windows), batch_size):
         call = capture_attention_call(model, index, windows[i : i + batch_size].to(device))
-        state = getattr(call.module, _STATE_ATTR)
+        state = module_state(call.module)
+        if state is None:
+            raise ValueError(f"attention module {index} has no latent attention; call enable_latent_attention first")
         rec, prev = _QueryRecorder(), state.simulation
         state.simulation = rec
         try:
@@ -65,12 +68,22 @@ def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int
     return out
 
 
+def content_maps(g, rotation, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, M^-1)`` with ``M = diag(g)^-1 R S``: the fused model caches ``c M``.
+
+    Written entry-wise (``R_ij s_j / g_i`` and ``R_ji g_j / s_i``) so that the original-basis identity
+    (``R = diag(sign g)``, ``s = |g|``) gives exactly the identity matrix in any dtype.
+    """
+    m = rotation * scales[None, :] / g[:, None]
+    m_inv = rotation.T * g[None, :] / scales[:, None]
+    return m, m_inv
+
+
 def quantize_content(c, g, rotation, scales, fmt: PathFormat, group_size: int) -> torch.Tensor:
     """``c`` quantised (STE) in the basis ``c diag(g)^-1 R S`` the fused model caches, mapped back."""
     dt, dev = c.dtype, c.device
-    g, rotation, scales = g.to(dev, dt), rotation.to(dev, dt), scales.to(dev, dt)
-    c_t = ((c / g) @ rotation) * scales
-    return ((ste_quantize(c_t, fmt, group_size) / scales) @ rotation.T) * g
+    m, m_inv = content_maps(g.to(dev, dt), rotation.to(dev, dt), scales.to(dev, dt))
+    return ste_quantize(c @ m, fmt, group_size) @ m_inv
 
 
 def quantize_rope(k, b, b_inv, fmt: PathFormat, group_size: int) -> torch.Tensor:

@@ -4,7 +4,16 @@ from quantmla.transforms.fuse import (
     fuse_content,
     fuse_rope,
     fuse_transforms,
+    original_basis,
     random_orthogonal,
 )
 
-__all__ = ["ContentTransform", "RopeTransform", "fuse_content", "fuse_rope", "fuse_transforms", "random_orthogonal"]
+__all__ = [
+    "ContentTransform",
+    "RopeTransform",
+    "fuse_content",
+    "fuse_rope",
+    "fuse_transforms",
+    "original_basis",
+    "random_orthogonal",
+]

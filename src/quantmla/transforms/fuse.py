@@ -6,7 +6,9 @@ Content path, per attention module: an orthogonal ``R`` (d_c x d_c) and positive
 * ``kv_a_layernorm.weight <- s``;
 * every head of ``kv_b_proj``: ``W_UK,h <- W_UK,h diag(g) R S^-1`` and the same for ``W_UV,h``,
 
-so the cached latent becomes ``c' = c diag(g)^-1 R S`` and every product with it is unchanged.
+so the cached latent becomes ``c' = c diag(g)^-1 R S`` and every product with it is unchanged. With
+``R = diag(sign g)`` and ``S = |g|`` (the *original-basis identity*) the cache is ``c`` itself and the
+fused weights equal the original ones bit for bit, up to the sign of the latent rows where ``g < 0``.
 
 RoPE path: ``B = blockdiag(sigma_i Rot(phi_i))`` over the frequency pairs RoPE rotates (in the
 projection rows' pair layout), which commutes with every RoPE rotation. The key's RoPE rows get ``B``
@@ -39,6 +41,18 @@ class ContentTransform:
         err = (self.rotation.double() @ self.rotation.double().T - eye).abs().max().item()
         if err > 1e-4:
             raise ValueError(f"rotation is not orthogonal (max |R R^T - I| = {err:.2e})")
+
+
+def original_basis(gain: torch.Tensor) -> ContentTransform:
+    """``R = diag(sign g)``, ``S = |g|`` for the latent gain ``g``: the fused cache is ``c`` itself (the identity).
+
+    ``R = I``, ``S = 1`` is not the identity of the cache: it divides the gain out (the cache ``c / g``).
+    """
+    g = gain.detach().double()
+    if bool((g == 0).any()):
+        zeros = torch.nonzero(g == 0).flatten().tolist()
+        raise ValueError(f"the latent gain is 0 in channels {zeros[:8]}: no transform of the cached basis exists")
+    return ContentTransform(torch.diag(torch.sign(g)), g.abs())
 
 
 @dataclass
@@ -80,7 +94,9 @@ def fuse_content(adapter: MLAAdapter, attn: nn.Module, t: ContentTransform) -> N
     g = norm.weight.double().clone()
     sc = t.scales.to(w.device, torch.float64)
     norm.weight.copy_(sc.to(norm.weight.dtype))
-    right = torch.diag(g) @ r @ torch.diag(1.0 / sc)  # [d_c, d_c]
+    # diag(g) R S^-1 entry-wise (g_i R_ij / s_j): the original-basis identity (R = diag(sign g), S = |g|)
+    # gives exactly the identity, so fusing it leaves kv_b_proj bit-identical in any dtype
+    right = r * g[:, None] / sc[None, :]  # [d_c, d_c]
     for view in (adapter.w_uk(attn), adapter.w_uv(attn)):
         view.copy_((view.double() @ right).to(view.dtype))
 
