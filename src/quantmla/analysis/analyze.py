@@ -41,8 +41,14 @@ class AnalysisConfig:
         bad = [s for s in self.shapes if s not in SHAPES]
         if bad or not self.shapes:
             raise ValueError(f"perturbation shapes {list(self.shapes)}; valid: {SHAPES}")
-        if not parse_scheme(self.quantizer).quantized:
-            raise ValueError(f"quantizer={self.quantizer!r} does not quantise; use e.g. c4r4, c2r4, fp8")
+        scheme = parse_scheme(self.quantizer)
+        unquantised = [p for p, f in (("content", scheme.content), ("RoPE key", scheme.rope)) if not f.quantized]
+        if "quant" in self.shapes and unquantised:
+            # the 'quant' perturbation of a path the scheme leaves unquantised is zero (fp8 keeps the RoPE key BF16)
+            raise ValueError(
+                f"quantizer={self.quantizer!r} leaves the {' and '.join(unquantised)} unquantised, so its 'quant' "
+                "perturbation is zero there; valid: a scheme quantising both paths, c<b>r<b> (e.g. c4r4, c2r4, c8r8)"
+            )
         if not 0 < self.check_nmse < 1 or not 0 < self.nmse < 1:
             raise ValueError(f"nmse={self.nmse} and check_nmse={self.check_nmse} must lie in (0, 1)")
         if self.probes < 1 or self.batch_size < 1:
@@ -65,6 +71,8 @@ class LayerReport:
 class AnalysisReport:
     config: AnalysisConfig
     layers: list[LayerReport] = field(default_factory=list)
+    dtype: str = ""  # the model's dtype that ran (e.g. "float32")
+    device: str = ""  # the device that ran
 
     def model_level(self) -> dict:
         """Mean response over layers per path and shape, and RoPE/content ratio of the means."""
@@ -78,6 +86,8 @@ class AnalysisReport:
     def to_dict(self) -> dict:
         return {
             "config": asdict(self.config),
+            "dtype": self.dtype,
+            "device": self.device,
             "layers": [asdict(lr) | {"ratio": {s: lr.ratio(s) for s in self.config.shapes}} for lr in self.layers],
             "model": self.model_level(),
         }
@@ -153,9 +163,10 @@ def analyze(model: nn.Module, windows: torch.Tensor, cfg: AnalysisConfig, layers
     if layers is not None:
         bad = [i for i in layers if i not in indices]
         if bad:
-            raise ValueError(f"layers {bad} not in this model's attention modules {indices}")
+            raise ValueError(f"layers {bad} not in this model's attention modules; valid: {indices}")
         indices = list(layers)
-    report = AnalysisReport(cfg)
+    param = next(model.parameters())
+    report = AnalysisReport(cfg, dtype=str(param.dtype).removeprefix("torch."), device=str(param.device))
     for i in tqdm(indices, desc="analyze", unit="layer", disable=not progress):
         report.layers.append(analyze_layer(model, i, windows, cfg))
     return report

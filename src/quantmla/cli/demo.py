@@ -11,11 +11,20 @@ from rich.console import Console
 from rich.table import Table
 
 from quantmla.cache import QuantizedLatentCache
+from quantmla.cli.errors import check_cache
 from quantmla.cli.eval_cmd import results_table
-from quantmla.eval.ppl import PerplexityConfig, perplexity, token_windows
+from quantmla.eval.ppl import PerplexityConfig, perplexity, scheme_label, token_windows
 from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention
-from quantmla.models.loading import DEFAULT_MODEL, builtin_text, load
+from quantmla.models.loading import (
+    DEFAULT_MODEL,
+    ModelSource,
+    builtin_text,
+    dtype_name,
+    inspect_model,
+    load,
+    resolve_dtype,
+)
 from quantmla.quant import parse_scheme
 
 
@@ -33,10 +42,13 @@ class DemoConfig:
     calibrate_steps: int = 10  # a short QuantMLA calibration for the last low-bit scheme (0: skip)
     calibrate_seqs: int = 4
     calibrate_model_steps: int = 5  # its model-level stage (the recipe: 150)
+    dtype: str = "auto"  # the model's dtype; the demo runs on the CPU, where auto is float32
+    group_size: int = 64
 
     def __post_init__(self) -> None:
         if not self.schemes:
-            raise ValueError("give at least one scheme")
+            raise ValueError("give at least one scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4, c2r4)")
+        resolve_dtype(self.dtype, "cpu")
         for s in self.schemes:
             parse_scheme(s)
         if self.calibrate_steps < 0 or self.calibrate_seqs < 1 or self.calibrate_model_steps < 0:
@@ -47,6 +59,14 @@ class DemoConfig:
         for name in ("seq_len", "num_seqs", "prompt_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+def check(cfg: DemoConfig) -> ModelSource:
+    """Everything the demo can check before loading weights: the model and that every scheme fits it."""
+    src = inspect_model(cfg.model)
+    for name in cfg.schemes:
+        check_cache(src, name, cfg.group_size)
+    return src
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,9 @@ def generate_side_by_side(model, tokenizer, cfg: DemoConfig) -> list[GenerationR
     prompt = token_windows(tokenizer, builtin_text("test"), cfg.prompt_len, 1)
     rows, baseline = [], None
     for name in cfg.schemes:
-        cache = QuantizedLatentCache(model.config, scheme=name, sink=cfg.sink, recent=cfg.recent)
+        cache = QuantizedLatentCache(
+            model.config, scheme=name, group_size=cfg.group_size, sink=cfg.sink, recent=cfg.recent
+        )
         out = model.generate(
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
@@ -74,16 +96,15 @@ def generate_side_by_side(model, tokenizer, cfg: DemoConfig) -> list[GenerationR
         baseline = out if baseline is None else baseline
         same = (out == baseline)[0]
         diverged = (~same).nonzero()
-        rows.append(
-            GenerationRow(
-                name, same.float().mean().item(), int(diverged[0]) if len(diverged) else None, tokenizer.decode(out[0])
-            )
-        )
+        first = int(diverged[0]) if len(diverged) else None
+        label = scheme_label(name, dtype_name(model.dtype))
+        rows.append(GenerationRow(label, same.float().mean().item(), first, tokenizer.decode(out[0])))
     return rows
 
 
 def production_bytes(schemes, contexts=(4096, 131072), sink: int = 4, recent: int = 128) -> list[tuple]:
-    """Bytes/token measured from allocated storage at DeepSeek geometry (latent 512, RoPE 64), one layer."""
+    """Bytes/token of the allocated storage of a one-layer cache at DeepSeek geometry (latent 512, RoPE 64,
+    BF16 windows) holding random values: no such model runs here, and storage size does not depend on values."""
     from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(num_hidden_layers=1, kv_lora_rank=512, qk_rope_head_dim=64)
@@ -104,22 +125,24 @@ def production_bytes(schemes, contexts=(4096, 131072), sink: int = 4, recent: in
 
 def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
     torch.manual_seed(cfg.seed)
-    model, tok = load(cfg.model)
+    model, tok = load(check(cfg), dtype=cfg.dtype, device="cpu")
     enable_latent_attention(model)
+    param = next(model.parameters())
     console.print(
-        f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/], sink {cfg.sink} + recent {cfg.recent}, group 64; "
-        "rows without '+quantmla' are RTN (no transform)"
+        f"[bold]quantmla demo[/] - [cyan]{cfg.model}[/] in {dtype_name(param.dtype)} on {param.device}, "
+        f"sink {cfg.sink} + recent {cfg.recent}, group {cfg.group_size}; rows without '+quantmla' are RTN "
+        "(no transform)"
     )
 
     def ppl(m, scheme):
         pc = PerplexityConfig(scheme=scheme, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink,
-                              recent=cfg.recent)  # fmt: skip
+                              recent=cfg.recent, group_size=cfg.group_size)  # fmt: skip
         return perplexity(m, tok, builtin_text("test"), pc, progress=True)
 
     results = [ppl(model, s) for s in cfg.schemes]
     low_bit = [s for s in cfg.schemes if parse_scheme(s).content.kind == "int"]
     if cfg.calibrate_steps and low_bit:
-        from quantmla.calibrate import calibrate
+        from quantmla.calibrate import calibrate_model
 
         target = low_bit[-1]
         console.print(
@@ -127,16 +150,16 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
             f"{cfg.calibrate_model_steps} model-level steps, on {cfg.calibrate_seqs} sequences (the recipe, "
             "`quantmla calibrate`, uses 300 and 150 steps on 128)"
         )
-        calibrated, _ = calibrate(
+        calibrated, _ = calibrate_model(
             copy.deepcopy(model), tok, builtin_text("validation"), scheme=target, method="quantmla",
             steps=cfg.calibrate_steps, num_seqs=cfg.calibrate_seqs, val_seqs=2, seq_len=256, progress=True,
-            model_steps=cfg.calibrate_model_steps, sink=cfg.sink, recent=cfg.recent,
+            model_steps=cfg.calibrate_model_steps, sink=cfg.sink, recent=cfg.recent, group_size=cfg.group_size,
         )  # fmt: skip
         results.append(dataclasses.replace(ppl(calibrated, target), scheme=f"{target}+quantmla"))
     console.print(
         results_table(
-            f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens; "
-            "bytes/token of this model's cache)",
+            f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens), "
+            f"{dtype_name(param.dtype)} on {param.device}; bytes/token of this model's cache",
             results,
         )
     )
@@ -157,14 +180,21 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
         )
     console.print(t)
 
-    t2 = Table(title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64), measured from allocated storage")
+    t2 = Table(
+        title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64, BF16 windows, sink "
+        f"{cfg.sink} + recent {cfg.recent}): allocated storage of a real cache, random values",
+        caption="no DeepSeek model runs here: the cache is filled with random tensors (storage size does not "
+        "depend on the values); vs bf16: the same cache, scheme bf16",
+    )
     t2.add_column("scheme")
     for ctx in contexts:
         t2.add_column(f"{ctx // 1024}K B/token", justify="right")
         t2.add_column(f"{ctx // 1024}K vs bf16", justify="right")
-    for row in production_bytes(cfg.schemes, contexts, cfg.sink, cfg.recent):
+    names = list(cfg.schemes) if "bf16" in cfg.schemes else [*cfg.schemes, "bf16"]
+    measured = {row[0]: row[1:] for row in production_bytes(names, contexts, cfg.sink, cfg.recent)}
+    for name in cfg.schemes:
         cells = []
         for i in range(len(contexts)):
-            cells += [f"{row[i + 1]:.1f}", f"{1152.0 / row[i + 1]:.2f}x"]
-        t2.add_row(row[0], *cells)
+            cells += [f"{measured[name][i]:.1f}", f"{measured['bf16'][i] / measured[name][i]:.2f}x"]
+        t2.add_row(name, *cells)
     console.print(t2)

@@ -10,33 +10,34 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from quantmla.cli.errors import user_errors
 from quantmla.models.loading import DEFAULT_MODEL
 
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise typer.BadParameter(f"dtype {name!r} unknown; valid: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE_HELP = "Model dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32, float64."
 
 
 def results_table(title: str, results) -> Table:
-    t = Table(title=title)
-    t.add_column("scheme", justify="right", min_width=max(len(r.scheme) for r in results), no_wrap=True)
-    for col in ("sink+recent", "perplexity", "vs first", "bytes/token", "vs bf16", "tokens"):
+    """Perplexity rows labelled by what ran (:attr:`PerplexityResult.label`); bytes from real cache storage."""
+    t = Table(
+        title=title,
+        caption="bytes/token: allocated storage of a QuantizedLatentCache after the model's prefill of the first "
+        "window (per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype",
+    )
+    t.add_column("scheme", justify="right", min_width=max(len(r.label) for r in results), no_wrap=True)
+    for col in ("sink+recent", "perplexity", "vs first", "bytes/token", "vs unquantised", "tokens"):
         t.add_column(col, justify="right")
     base = results[0].ppl
     for r in results:
         t.add_row(
-            r.scheme,
+            r.label,
             f"{r.sink}+{r.recent}",
             f"{r.ppl:.3f}",
             f"{100 * (r.ppl / base - 1):+.2f}%",
             f"{r.bytes_per_token:.1f}",
-            f"{r.bf16_bytes_per_token / r.bytes_per_token:.2f}x",
+            f"{r.unquantised_bytes_per_token / r.bytes_per_token:.2f}x",
             str(r.tokens),
         )
     return t
@@ -63,42 +64,47 @@ def ppl(
     dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
     split: str = typer.Option("test", help="Split of --dataset, or of the bundled text (validation/test)."),
     column: str = typer.Option("text", help="Text column of --dataset."),
-    dtype: str = typer.Option("float32", help="Model dtype: float32, bfloat16, float64."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Perplexity with the cache as decode sees it (sinks and the last `recent` tokens unquantised)."""
-    from quantmla.eval.ppl import PerplexityConfig, perplexity
-    from quantmla.models.loading import load, load_text
+    from quantmla.eval.ppl import PerplexityConfig, cache_config, perplexity
+    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
 
-    try:
-        body = load_text(text, dataset, split, column)
-        m, tok = load(model, dtype=_dtype(dtype), device=device)
-        meta = m.quantmla_meta or {}
+    with user_errors():  # everything but the forwards is checked before a weight is read
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        src = inspect_model(model)
+        meta = src.meta or {}
         scheme = scheme or meta.get("scheme", "bf16")
         sink = meta.get("sink", 4) if sink is None else sink
         recent = meta.get("recent", 128) if recent is None else recent
         group_size = meta.get("group_size", 64) if group_size is None else group_size
         if no_sink_recent:
             sink, recent = 0, 0
+        names = [s.strip() for s in scheme.split(",") if s.strip()]
+        if not names:
+            raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
         cfgs = [
             PerplexityConfig(
-                scheme=s.strip(),
-                seq_len=seq_len,
-                num_seqs=num_seqs,
-                sink=sink,
-                recent=recent,
-                group_size=group_size,
+                scheme=s, seq_len=seq_len, num_seqs=num_seqs, sink=sink, recent=recent, group_size=group_size,
                 batch_size=batch_size,
             )
-            for s in scheme.split(",")
-            if s.strip()
-        ]
+            for s in names
+        ]  # fmt: skip
+        for c in cfgs:
+            cache_config(src.config, c)
+        body = load_text(text, dataset, split, column)
+        m, tok = load(src, dtype=torch_dtype, device=dev)
         results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
     if as_json:
-        typer.echo(json.dumps({"model": model, "results": [r.to_dict() for r in results]}, indent=2))
+        out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev)}
+        typer.echo(json.dumps(out | {"results": [r.to_dict() for r in results]}, indent=2))
         return
-    src = str(text or dataset or f"bundled {split} split")
-    Console().print(results_table(f"{model}: perplexity on {src}, {results[0].sequences} x {seq_len} tokens", results))
+    src_text = str(text or dataset or f"bundled {split} split")
+    title = (
+        f"{model} in {dtype_name(torch_dtype)} on {dev}: perplexity on {src_text}, "
+        f"{results[0].sequences} x {seq_len} tokens"
+    )
+    Console().print(results_table(title, results))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 
 from quantmla import __version__
 from quantmla.cli import eval_cmd
+from quantmla.cli.errors import check_cache, parse_layers, user_errors
+from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DTYPE_HELP
 
 app = typer.Typer(
     add_completion=False,
@@ -46,11 +47,12 @@ def demo(
     recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
     calibrate_steps: int = typer.Option(10, min=0, help="Steps of the short QuantMLA calibration (0: skip)."),
     calibrate_model_steps: int = typer.Option(5, min=0, help="Model-level steps of the short calibration."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP + " The demo runs on the CPU."),
 ) -> None:
     """Perplexity, generation and bytes/token with BF16, FP8 and low-bit latent caches side by side."""
-    from quantmla.cli.demo import DemoConfig, render
+    from quantmla.cli.demo import DemoConfig, check, render
 
-    try:
+    with user_errors():
         cfg = DemoConfig(
             model=model,
             schemes=tuple(s.strip() for s in schemes.split(",") if s.strip()),
@@ -61,10 +63,10 @@ def demo(
             recent=recent,
             calibrate_steps=calibrate_steps,
             calibrate_model_steps=calibrate_model_steps,
+            dtype=dtype,
         )
+        check(cfg)
         render(cfg, Console())
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
@@ -73,7 +75,9 @@ def analyze(
     num_seqs: int = typer.Option(8, min=1, help="Calibration sequences."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per sequence."),
     shape: str = typer.Option("both", help="Perturbation shape: gaussian, quant or both."),
-    quantizer: str = typer.Option("c4r4", help="Scheme whose quantiser residual shapes the 'quant' perturbation."),
+    quantizer: str = typer.Option(
+        "c4r4", help="Scheme whose quantiser residual shapes the 'quant' perturbation: c<b>r<b> (e.g. c4r4, c2r4)."
+    ),
     nmse: float = typer.Option(0.01, help="Cache NMSE of each perturbation."),
     probes: int = typer.Option(8, min=1, help="Random probes for the trace and diagonal estimates."),
     batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
@@ -83,7 +87,8 @@ def analyze(
     dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
     split: str = typer.Option("validation", help="Split of --dataset or of the bundled text."),
     out: Path = typer.Option(None, "--out", help="Write analysis.json, analysis.csv and analysis.png here."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Dual-path sensitivity: how much each cached path (content latent, RoPE key) moves the attention output."""
@@ -91,27 +96,32 @@ def analyze(
     from quantmla.analysis import analyze as run_analysis
     from quantmla.analysis.report import table, write
     from quantmla.eval.ppl import token_windows
-    from quantmla.models.loading import load, load_text
+    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
 
     shapes = {"both": ("gaussian", "quant"), "gaussian": ("gaussian",), "quant": ("quant",)}
-    if shape not in shapes:
-        raise typer.BadParameter(f"shape={shape!r}; valid: gaussian, quant, both")
-    try:
+    with user_errors():  # everything but the forwards is checked before a weight is read
+        if shape not in shapes:
+            raise ValueError(f"--shape {shape!r} unknown; valid: gaussian, quant, both")
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
         cfg = AnalysisConfig(
             shapes=shapes[shape], quantizer=quantizer, nmse=nmse, probes=probes, batch_size=batch_size, seed=seed
         )
+        src = inspect_model(model)
+        idx = parse_layers(layers, src.num_cache_layers)
+        if "quant" in cfg.shapes:
+            check_cache(src, cfg.quantizer, cfg.group_size)
         body = load_text(text, dataset, split)
-        m, tok = load(model, device=device)
+        m, tok = load(src, dtype=torch_dtype, device=dev)
         windows = token_windows(tok, body, seq_len, num_seqs)
-        idx = None if layers is None else [int(x) for x in layers.split(",") if x.strip()]
         report = run_analysis(m, windows, cfg, layers=idx, progress=True)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    title = f"{model}: responses at cache NMSE {nmse} ({num_seqs} x {seq_len} tokens)"
+    title = (
+        f"{model} in {dtype_name(torch_dtype)} on {dev}: responses at cache NMSE {nmse} ({num_seqs} x {seq_len} tokens)"
+    )
     if out is not None:
         write(report, out, title)
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        typer.echo(json.dumps({"model_name": model} | report.to_dict(), indent=2))
         return
     Console().print(table(report, title))
     if out is not None:
@@ -141,29 +151,35 @@ def calibrate(
     text: Path = typer.Option(None, "--text", help="Calibration text file (default: bundled validation split)."),
     dataset: Path = typer.Option(None, "--dataset", help="A `datasets` dataset saved with save_to_disk."),
     split: str = typer.Option("validation", help="Split of --dataset or of the bundled text."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", help="Device."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
 ) -> None:
     """Learn (or set) fusable per-path transforms, fuse them into the weights, export a model directory."""
     from rich.table import Table
 
-    from quantmla.calibrate import calibrate as run_calibration
-    from quantmla.calibrate import export
-    from quantmla.models.loading import load, load_text
+    from quantmla.calibrate import CalibrationConfig, calibrate_model, export
+    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
 
     if no_sink_recent:
         sink, recent = 0, 0
-    try:
+    kwargs = dict(
+        scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs, seq_len=seq_len,
+        batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps, model_lr=model_lr,
+        model_objective=model_objective,
+    )  # fmt: skip
+    with user_errors():  # everything but the calibration itself is checked before a weight is read
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        cfg = CalibrationConfig(**kwargs)
+        src = inspect_model(model)
+        check_cache(src, cfg.scheme, cfg.group_size)
         body = load_text(text, dataset, split)
-        m, tok = load(model, device=device)
-        m, report = run_calibration(
-            m, tok, body, scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs,
-            seq_len=seq_len, batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps,
-            model_lr=model_lr, model_objective=model_objective,
-        )  # fmt: skip
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    export(m, tok, out, report)
-    t = Table(title=f"{method} {scheme}: held-out error per layer (before -> after)")
+        m, tok = load(src, dtype=torch_dtype, device=dev)
+        m, report = calibrate_model(m, tok, body, **kwargs)
+        export(m, tok, out, report)
+    t = Table(
+        title=f"{method} {scheme} ({dtype_name(torch_dtype)} on {dev}): held-out error per layer (before -> after)"
+    )
     for col in ("layer", "content", "RoPE"):
         t.add_column(col, justify="right")
     for row in report.layers:

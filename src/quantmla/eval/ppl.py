@@ -8,10 +8,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from quantmla.cache import QuantizedLatentCache
+from quantmla.cache import LatentCacheConfig, QuantizedLatentCache
 from quantmla.eval.simulate import simulated_decode
 from quantmla.models.adapter import get_adapter
+from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
+from quantmla.models.loading import dtype_name
 from quantmla.quant.scheme import parse_scheme
 
 
@@ -50,13 +52,31 @@ class PerplexityResult:
     sink: int
     recent: int
     group_size: int
-    bytes_per_token: float  # allocated cache bytes per token and layer at seq_len, BF16 windows
-    bf16_bytes_per_token: float
+    #: allocated bytes per token and layer of a real QuantizedLatentCache (this scheme, group, sink,
+    #: recent) after the model's own prefill of the first evaluated window (see :func:`cache_bytes_per_token`)
+    bytes_per_token: float
+    unquantised_bytes_per_token: float  # the same, scheme bf16: the latent unquantised, in the model's dtype
+    dtype: str  # the model's dtype that ran (e.g. "bfloat16", "float32")
+    device: str  # the device that ran (e.g. "cpu", "cuda:0")
+    cache_backend: str  # the cache backend(s) whose storage the bytes were read from ("torch", "triton")
     kl: float | None = None  # per token, from the same model with a full-precision cache (PerplexityConfig.kl)
     window_nll: list[float] | None = None  # summed NLL of each window (PerplexityConfig.per_window)
 
+    @property
+    def label(self) -> str:
+        """The row label: what ran (:func:`scheme_label`)."""
+        return scheme_label(self.scheme, self.dtype)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def scheme_label(scheme: str, dtype: str) -> str:
+    """``scheme`` as it ran in a model of ``dtype``: the unquantised scheme ``bf16`` holds the latent in the
+    model's dtype, so under float32 it is labelled ``unquantised (float32)``; other schemes keep their name."""
+    if parse_scheme(scheme.split("+")[0]).quantized or dtype == "bfloat16":
+        return scheme
+    return f"unquantised ({dtype})"
 
 
 def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None) -> torch.Tensor:
@@ -71,31 +91,47 @@ def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None) -> t
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def measured_bytes_per_token(config, scheme: str, seq_len: int, sink: int, recent: int, group_size: int) -> float:
-    """Fill a real cache with ``seq_len`` BF16 tokens and read its allocated bytes per token and layer."""
-    dims = get_adapter(config).dims(config)
-    cache = QuantizedLatentCache(config, scheme=scheme, group_size=group_size, sink=sink, recent=recent)
-    g = torch.Generator().manual_seed(0)
-    for i in range(len(cache.layers)):
-        c = torch.randn(1, 1, seq_len, dims.kv_lora_rank, generator=g).to(torch.bfloat16)
-        r = torch.randn(1, 1, seq_len, dims.rope_dim, generator=g).to(torch.bfloat16)
-        cache.update(c, r, i)
-    return cache.bytes_per_token()
+def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
+    """The cache ``cfg`` describes for a model of ``model_config``; a ``ValueError`` (e.g. a group size that
+    does not divide the latent) before any forward. Needs the config only, not the weights."""
+    dims = get_adapter(model_config).dims(model_config)
+    return LatentCacheConfig(parse_scheme(cfg.scheme), dims.kv_lora_rank, dims.rope_dim, cfg.group_size,
+                             cfg.sink, cfg.recent)  # fmt: skip
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: bfloat16 promoted to float32, float64 kept (a float64 model's NLL stays float64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+@torch.no_grad()
+def cache_bytes_per_token(model, window: torch.Tensor, scheme: str, cfg: PerplexityConfig) -> tuple[float, str]:
+    """Prefill ``window [1, T]`` through a real :class:`QuantizedLatentCache` and read its allocated storage:
+    ``(bytes per token and layer, backends that held it)``. The storage holds the model's own latents."""
+    cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
+                                 recent=cfg.recent)  # fmt: skip
+    model(window, use_cache=True, **cache_kwargs(cache))
+    return cache.bytes_per_token(), ",".join(sorted(set(cache.backends_used())))
 
 
 @torch.no_grad()
 def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: bool = True) -> PerplexityResult:
-    """Perplexity of ``text`` in windows of ``cfg.seq_len``, each query seeing the cache as decode would."""
+    """Perplexity of ``text`` in windows of ``cfg.seq_len``, each query seeing the cache as decode would.
+
+    The logits come from the one-forward decode-cache simulation (:mod:`quantmla.eval.simulate`); the
+    bytes per token from a real cache filled by the model's prefill of the first window."""
+    cache_config(model.config, cfg)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
     windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs)
-    device = next(model.parameters()).device
+    param = next(model.parameters())
+    device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []
     batches = range(0, len(windows), cfg.batch_size)
     for start in tqdm(batches, desc=f"ppl {cfg.scheme}", disable=not progress, unit="batch"):
         x = windows[start : start + cfg.batch_size].to(device)
         with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
-            logits = model(x, use_cache=False).logits.float()
+            logits = _at_least_float32(model(x, use_cache=False).logits)
         nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none")
         nll = nll.view(x.shape[0], -1).double().sum(1)
         per_window += nll.tolist()
@@ -103,12 +139,13 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         total += float(nll)
         count += x[:, 1:].numel()
         if cfg.kl:
-            ref = torch.log_softmax(model(x, use_cache=False).logits.float()[:, :-1], -1)
+            ref = torch.log_softmax(_at_least_float32(model(x, use_cache=False).logits)[:, :-1], -1)
             out = torch.log_softmax(logits[:, :-1], -1)
             kl_sum += float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="sum"))
     nll = total / count
-    bpt = measured_bytes_per_token(model.config, cfg.scheme, cfg.seq_len, cfg.sink, cfg.recent, cfg.group_size)
-    bf16 = measured_bytes_per_token(model.config, "bf16", cfg.seq_len, cfg.sink, cfg.recent, cfg.group_size)
+    first = windows[:1].to(device)
+    bpt, backend = cache_bytes_per_token(model, first, cfg.scheme, cfg)
+    ref_bpt = bpt if not parse_scheme(cfg.scheme).quantized else cache_bytes_per_token(model, first, "bf16", cfg)[0]
     return PerplexityResult(
         scheme=cfg.scheme,
         ppl=math.exp(nll),
@@ -120,7 +157,10 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         recent=cfg.recent,
         group_size=cfg.group_size,
         bytes_per_token=bpt,
-        bf16_bytes_per_token=bf16,
+        unquantised_bytes_per_token=ref_bpt,
+        dtype=dtype_name(param.dtype),
+        device=str(device),
+        cache_backend=backend,
         kl=kl_sum / count if cfg.kl else None,
         window_nll=per_window if cfg.per_window else None,
     )

@@ -3,23 +3,75 @@
 ``MODEL`` may be a builtin name (``builtin:tiny-mla``), a local transformers directory, or a hub id
 that is already in the local Hugging Face cache. Kimi-K2 directories (``model_type: kimi_k2``,
 which AutoConfig rejects) are loaded through ``DeepseekV3Config``.
+
+Everything that can be checked without the weights (device, dtype, path, ``quantmla.json``, config,
+architecture) is checked by :func:`resolve_device`, :func:`resolve_dtype` and :func:`inspect_model`
+before :func:`load` reads a single weight.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PretrainedConfig
 
-from quantmla.export_format import read_meta
-from quantmla.models.adapter import get_adapter
+from quantmla.export_format import META_FILE, read_meta
+from quantmla.models.adapter import MLADims, get_adapter
+from quantmla.quant.affine import check_group
+from quantmla.quant.scheme import parse_scheme
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "builtin:tiny-mla"
 _BUILTINS = {"tiny-mla": "tiny-mla"}
 _CONFIG_OVERRIDES = {"kimi_k2": DeepseekV3Config}
+#: model dtypes by name; ``auto`` is bfloat16 on CUDA and float32 on CPU (see :func:`resolve_dtype`)
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a ``ValueError`` if it is malformed or not present here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {str(device)!r} is not a device name; valid: cpu, cuda, cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device {str(device)!r} is not supported; valid: cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested, but torch sees no CUDA device here; valid: cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise ValueError(f"device {str(device)!r} does not exist; valid: cpu, cuda, cuda:0 .. cuda:{n - 1}")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The model dtype for ``dtype``: a ``torch.dtype``, a name in :data:`DTYPES`, or ``auto``: bfloat16 on
+    CUDA (what models are served in), float32 on CPU (where bfloat16 matmuls are slow). ``auto`` is logged."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} not supported; valid: {', '.join(DTYPE_CHOICES)}")
+        return dtype
+    if dtype == "auto":
+        chosen = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        logger.info("dtype=auto on %s: %s (auto is bfloat16 on CUDA, float32 on CPU)", device, dtype_name(chosen))
+        return chosen
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} unknown; valid: {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def builtin_path(name: str) -> Path:
@@ -40,13 +92,19 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
         return p
     if p.exists():
         raise ValueError(f"{p} is a file; MODEL must be a builtin name, a model directory or a hub id")
-    try:  # a hub id: only the local Hugging Face cache is consulted
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
+    builtins = ", ".join("builtin:" + b for b in _BUILTINS)
+    try:  # a hub id: only the local Hugging Face cache is consulted
         return Path(snapshot_download(s, local_files_only=True))
-    except Exception as e:  # noqa: BLE001  (any hub failure means: not available offline)
+    except HFValidationError:
         raise ValueError(
-            f"model {s!r} is neither a builtin ({', '.join('builtin:' + b for b in _BUILTINS)}), a local directory, "
+            f"model {s!r} is neither a builtin ({builtins}), a local directory, nor a valid hub id (namespace/name)"
+        ) from None
+    except (LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as e:  # not available offline
+        raise ValueError(
+            f"model {s!r} is neither a builtin ({builtins}), a local directory, "
             f"nor in the local Hugging Face cache, and quantmla never downloads. Fetch it on a machine with network "
             f"(e.g. `huggingface-cli download {s} --local-dir DIR`), copy DIR here and pass its path. "
             f"({type(e).__name__})"
@@ -62,29 +120,71 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """A model directory checked without its weights: path, validated ``quantmla.json``, config."""
+
+    path: Path
+    config: PretrainedConfig
+    meta: dict | None  # the directory's quantmla.json, validated (None: it has none)
+
+    @property
+    def dims(self) -> MLADims:
+        return get_adapter(self.config).dims(self.config)
+
+    @property
+    def num_cache_layers(self) -> int:
+        return get_adapter(self.config).num_cache_layers(self.config)
+
+
+def inspect_model(name_or_path: str | Path | ModelSource) -> ModelSource:
+    """Resolve ``name_or_path`` and check everything but the weights: ``quantmla.json`` (its keys and that
+    its scheme and group size fit this model), ``config.json`` and that the architecture is a supported MLA."""
+    if isinstance(name_or_path, ModelSource):
+        return name_or_path
+    path = resolve_model_path(name_or_path)
+    meta = read_meta(path)  # a corrupt quantmla.json fails before any weight is loaded
+    config = load_config(path)
+    adapter = get_adapter(config)  # fail early, with the list of supported architectures
+    if meta is not None:
+        dims = adapter.dims(config)
+        scheme = parse_scheme(meta["scheme"])
+        for fmt, dim in ((scheme.content, dims.kv_lora_rank), (scheme.rope, dims.rope_dim)):
+            if fmt.kind == "int":
+                try:
+                    check_group(dim, meta["group_size"])
+                except ValueError as e:
+                    raise ValueError(f"{path / META_FILE}: key 'group_size': {e}") from None
+    return ModelSource(path, config, meta)
+
+
 def load(
-    name_or_path: str | Path = DEFAULT_MODEL,
-    dtype: torch.dtype = torch.float32,
+    name_or_path: str | Path | ModelSource = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ):
     """Load ``(model, tokenizer)`` in eval mode; the model must be a supported MLA architecture.
 
+    ``dtype``: ``auto`` (the default) is bfloat16 on CUDA and **float32 on CPU**; or ``bfloat16``,
+    ``float32``, ``float64`` (name or ``torch.dtype``). The dtype chosen is logged. Device, dtype,
+    path, config and ``quantmla.json`` are all checked before any weight is read.
+
     A directory written by ``quantmla calibrate`` carries ``quantmla.json``; it is validated and kept
     as ``model.quantmla_meta`` (``None`` otherwise), and quantmla commands use its cache scheme.
     """
-    path = resolve_model_path(name_or_path)
-    read_meta(path)  # a corrupt or mismatched quantmla.json fails before any weight is loaded
-    config = load_config(path)
-    get_adapter(config)  # fail early, with the list of supported architectures
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    src = inspect_model(name_or_path)
+    logger.info("loading %s in %s on %s", src.path, dtype_name(torch_dtype), dev)
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=dtype, attn_implementation=attn_implementation
-    ).to(device)
-    model.quantmla_meta = read_meta(path)  # the exported cache scheme, if the directory has one
+        src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
+    ).to(dev)
+    model.quantmla_meta = src.meta  # the exported cache scheme, if the directory has one
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(src.path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} holds no usable tokenizer ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{src.path} holds no usable tokenizer ({type(e).__name__}: {e})") from None
     return model.eval(), tokenizer
 
 

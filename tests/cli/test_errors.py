@@ -1,0 +1,143 @@
+"""Every user mistake: one line naming the bad value and the valid ones, exit code 2, no traceback, and
+nothing loaded before the check (from_pretrained is patched to fail the test if it is reached)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from quantmla.cli.main import app
+from quantmla.models.loading import builtin_path
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Reaching from_pretrained (reading weights) fails the test."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("weights were loaded before the bad input was reported")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+
+
+def _usage_error(args, *fragments, env=None):
+    res = runner.invoke(app, args, env=env)
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert "Traceback" not in res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.output
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return lines[0]
+
+
+def test_cuda_device_without_cuda(no_weights, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for cmd in (["eval", "ppl"], ["analyze"], ["calibrate", "--out", "x"]):
+        _usage_error([*cmd, "--device", "cuda"], "device 'cuda'", "no CUDA device", "valid: cpu")
+    _usage_error(["eval", "ppl", "--device", "tpu9"], "'tpu9'", "valid: cpu, cuda, cuda:N")
+
+
+def test_dtype(no_weights):
+    for cmd in (["eval", "ppl"], ["analyze"], ["calibrate", "--out", "x"], ["demo"]):
+        _usage_error([*cmd, "--dtype", "float16"], "dtype 'float16'", "valid: auto, bfloat16, float32, float64")
+
+
+def test_analyze_quantizer_fp8_is_rejected_without_recommending_it(no_weights):
+    line = _usage_error(["analyze", "--quantizer", "fp8"], "quantizer='fp8'", "RoPE key unquantised", "c4r4")
+    assert "fp8" not in line.split("valid:")[1]
+    line = _usage_error(["analyze", "--quantizer", "bf16"], "quantizer='bf16'", "valid:")
+    assert "fp8" not in line.split("valid:")[1]
+    _usage_error(["analyze", "--quantizer", "c9r9"], "unknown cache scheme 'c9r9'", "valid: bf16")
+
+
+@pytest.mark.parametrize(
+    "layers,fragment",
+    [("a", "'a' is not an integer"), ("0,x", "'x' is not an integer"), ("99", "[99] out of range"),
+     ("-1", "[-1] out of range"), ("8", "[8] out of range"), (",", "names no layer")],
+)  # fmt: skip
+def test_analyze_layers(no_weights, layers, fragment):
+    _usage_error(["analyze", f"--layers={layers}"], fragment, "valid: comma-separated cache indices in 0..7")
+
+
+def test_analyze_shape(no_weights):
+    _usage_error(["analyze", "--shape", "uniform"], "'uniform'", "valid: gaussian, quant, both")
+
+
+def test_hub_id_offline(no_weights, tmp_path):
+    env = {"HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    for cmd in (["eval", "ppl"], ["analyze"], ["calibrate", "--out", str(tmp_path / "o")]):
+        _usage_error([*cmd, "some-org/some-model"], "'some-org/some-model'", "builtin:tiny-mla", "never downloads",
+                     env=env)  # fmt: skip
+    _usage_error(["demo", "--model", "some-org/some-model"], "'some-org/some-model'", env=env)
+    _usage_error(["eval", "ppl", "not/a/valid/id"], "'not/a/valid/id'", "nor a valid hub id", env=env)
+
+
+def _model_dir(tmp_path, meta) -> str:
+    """A model directory with the bundled config and a quantmla.json, and no weights at all."""
+    shutil.copy(builtin_path("tiny-mla") / "config.json", tmp_path / "config.json")
+    (tmp_path / "quantmla.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    return str(tmp_path)
+
+
+GOOD_META = {"format": 1, "scheme": "c4r4", "method": "quantmla", "group_size": 64, "sink": 4, "recent": 128}
+
+
+@pytest.mark.parametrize(
+    "meta,fragments",
+    [
+        ([1, 2], ["expected a JSON object", "list"]),
+        ('"c4r4"', ["expected a JSON object", "str"]),
+        ("null", ["expected a JSON object", "NoneType"]),
+        ("{not json", ["not valid JSON"]),
+        (GOOD_META | {"scheme": "c5r4"}, ["'scheme'", "c5r4", "valid: bf16"]),
+        (GOOD_META | {"sink": -1}, ["'sink'", "-1", ">= 0"]),
+        (GOOD_META | {"group_size": 0}, ["'group_size'", ">= 1"]),
+        (GOOD_META | {"group_size": 48}, ["'group_size'", "48", "divisors of 128"]),
+        (GOOD_META | {"group_size": "64"}, ["'group_size'", "expected a JSON int"]),
+        (GOOD_META | {"recent": True}, ["'recent'", "expected a JSON int"]),
+        (GOOD_META | {"method": "gptq"}, ["'method'", "gptq", "valid: rtn"]),
+        ({k: v for k, v in GOOD_META.items() if k != "scheme"}, ["missing keys ['scheme']"]),
+    ],
+)
+def test_bad_quantmla_json(no_weights, tmp_path, meta, fragments):
+    d = _model_dir(tmp_path, meta)
+    for cmd in (["eval", "ppl", d], ["analyze", d], ["calibrate", d, "--out", str(tmp_path / "o")]):
+        _usage_error(cmd, str(tmp_path / "quantmla.json"), *fragments)
+
+
+def test_bad_scheme_method_group_before_any_weight(no_weights):
+    _usage_error(["eval", "ppl", "--scheme", "c9r4"], "unknown cache scheme 'c9r4'", "valid: bf16, fp8")
+    _usage_error(["eval", "ppl", "--scheme", "bf16,,c2r5"], "'c2r5'", "valid: bf16")
+    _usage_error(["eval", "ppl", "--scheme", ","], "names no scheme", "valid: bf16")
+    _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "48"], "group_size=48", "divisors of 128")
+    _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "128"], "RoPE key", "divisors of 64")
+    _usage_error(["demo", "--schemes", "bf16,int3"], "unknown cache scheme 'int3'", "valid: bf16")
+    _usage_error(["calibrate", "--out", "x", "--method", "gptq"], "method='gptq'", "valid: rtn")
+    _usage_error(["calibrate", "--out", "x", "--scheme", "c4r9"], "'c4r9'", "valid: bf16")
+    _usage_error(["calibrate", "--out", "x", "--model-objective", "mse"], "'mse'", "valid: kl, ce")
+
+
+def test_value_error_from_deep_inside_is_one_line_and_bugs_are_not_swallowed(monkeypatch):
+    import quantmla.eval.ppl as ppl
+
+    def deep(*args, **kwargs):
+        raise ValueError("something deep\n  went wrong: valid: x, y")
+
+    monkeypatch.setattr(ppl, "perplexity", deep)
+    res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "1", "--seq-len", "16"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    errors = [ln for ln in res.output.splitlines() if "Error" in ln]
+    assert errors == ["Error: something deep went wrong: valid: x, y"], res.output
+
+    def bug(*args, **kwargs):
+        raise KeyError("a genuine bug")
+
+    monkeypatch.setattr(ppl, "perplexity", bug)
+    res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "1", "--seq-len", "16"])
+    assert res.exit_code == 1 and isinstance(res.exception, KeyError)  # propagates, with its traceback
