@@ -30,3 +30,54 @@ def test_kl_and_per_window_nll():
     assert q.kl > 1e-4 and q.ppl > bf16.ppl
     plain = perplexity(model, tok, text, PerplexityConfig(scheme="c2r4", seq_len=64, num_seqs=3, sink=0, recent=0))
     assert plain.kl is None and plain.window_nll is None and math.isclose(plain.nll, q.nll, rel_tol=1e-6)
+
+
+def test_bytes_dtype_and_device_are_what_ran(monkeypatch):
+    """Bytes/token from a real cache after the model's own prefill (no random tensors anywhere), in the
+    model's dtype: a float64 model's unquantised windows take 8 bytes a value, a bfloat16 model's 2."""
+    from quantmla import QuantizedLatentCache
+    from quantmla.eval.ppl import token_windows
+    from quantmla.models.compat import cache_kwargs
+
+    def no_random(*args, **kwargs):
+        raise AssertionError("perplexity() drew random tensors")
+
+    text = builtin_text("test")
+    for dtype, width in ((torch.float64, 8), (torch.bfloat16, 2)):
+        model, tok = quantmla.load(dtype=dtype)
+        cfg = PerplexityConfig(scheme="c2r4", seq_len=48, num_seqs=2, sink=2, recent=6)
+        with monkeypatch.context() as mp:
+            mp.setattr(torch, "randn", no_random)
+            r = perplexity(model, tok, text, cfg, progress=False)
+        assert (r.dtype, r.device, r.cache_backend) == (str(dtype).removeprefix("torch."), "cpu", "torch")
+        assert r.unquantised_bytes_per_token == width * (128 + 64)
+        cache = QuantizedLatentCache(model.config, scheme="c2r4", sink=2, recent=6)
+        with torch.no_grad():
+            model(token_windows(tok, text, 48, 1), use_cache=True, **cache_kwargs(cache))
+        assert r.bytes_per_token == cache.nbytes() / (model.config.num_hidden_layers * 48)
+        assert r.label == "c2r4"
+        unq = perplexity(model, tok, text, PerplexityConfig(scheme="bf16", seq_len=48, num_seqs=1), progress=False)
+        assert unq.label == ("bf16" if dtype == torch.bfloat16 else "unquantised (float64)")
+
+
+def test_float64_nll_is_not_rounded_to_float32():
+    """A float64 model's NLL equals the stock model's float64 loss to 1e-12 (casting the logits to float32
+    first, as before, was off by ~5e-7)."""
+    model, tok = quantmla.load(dtype=torch.float64)
+    r = perplexity(model, tok, builtin_text("test"), PerplexityConfig(seq_len=64, num_seqs=1), progress=False)
+    stock, _ = quantmla.load(dtype=torch.float64)  # transformers' own sdpa attention
+    ids = torch.tensor(tok(builtin_text("test"), add_special_tokens=False)["input_ids"][:64]).view(1, 64)
+    with torch.no_grad():  # not labels=ids: transformers' loss casts the logits to float32
+        logits = stock(ids).logits
+    assert logits.dtype == torch.float64
+    ref = float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]))
+    assert math.isclose(r.nll, ref, rel_tol=1e-12)
+
+
+def test_group_size_that_does_not_fit_fails_before_any_forward(monkeypatch):
+    model, tok = quantmla.load()
+    monkeypatch.setattr(model, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("forward ran")))
+    import pytest
+
+    with pytest.raises(ValueError, match="group_size=48 does not divide the channel dimension 128"):
+        perplexity(model, tok, builtin_text("test"), PerplexityConfig(scheme="c4r4", group_size=48), progress=False)

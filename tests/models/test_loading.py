@@ -1,8 +1,10 @@
 import json
+import logging
 import shutil
 
 import pytest
 import torch
+import transformers
 
 import quantmla
 from quantmla.models.loading import builtin_path, builtin_text, load_text, resolve_model_path
@@ -88,3 +90,76 @@ def test_load_text_from_saved_dataset(tmp_path):
     assert load_text(dataset=tmp_path, split="test") == "a b\n\nc"
     with pytest.raises(ValueError, match="has splits"):
         load_text(dataset=tmp_path, split="train")
+
+
+def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_cuda(caplog):
+    from quantmla.models.loading import resolve_dtype
+
+    with caplog.at_level(logging.INFO, logger="quantmla.models.loading"):
+        model, _ = quantmla.load()
+    assert model.dtype == torch.float32
+    assert "dtype=auto on cpu: float32" in caplog.text
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16 and resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16 and resolve_dtype(torch.float64) == torch.float64
+    assert quantmla.load(dtype="bfloat16")[0].dtype == torch.bfloat16
+    for bad in ("float16", "bf16", torch.float16):
+        with pytest.raises(ValueError, match="valid: auto, bfloat16, float32, float64"):
+            resolve_dtype(bad)
+
+
+def test_device_checked_before_loading(monkeypatch):
+    from quantmla.models.loading import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_weights)
+    with pytest.raises(ValueError, match="'cuda' requested, but torch sees no CUDA device here; valid: cpu"):
+        quantmla.load(device="cuda")
+    with pytest.raises(ValueError, match="'npu' is not a device name"):
+        resolve_device("npu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("weights were read")
+
+
+def test_hub_lookup_catches_only_the_hubs_not_found_errors(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def raising(exc):
+        def f(*args, **kwargs):
+            raise exc
+
+        return f
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", raising(LocalEntryNotFoundError("not cached")))
+    with pytest.raises(ValueError, match="'org/m' is neither .* nor in the local Hugging Face cache"):
+        resolve_model_path("org/m")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", raising(OSError("disk")))
+    with pytest.raises(ValueError, match="never downloads"):
+        resolve_model_path("org/m")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", raising(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # not swallowed into "not available offline"
+        resolve_model_path("org/m")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="nor a valid hub id"):
+        resolve_model_path("a/b/c")
+
+
+def test_inspect_model_reads_no_weights(tmp_path, monkeypatch):
+    from quantmla.models.loading import inspect_model
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_weights)
+    shutil.copy(builtin_path("tiny-mla") / "config.json", tmp_path / "config.json")  # config only, no weights
+    src = inspect_model(str(tmp_path))
+    assert src.meta is None and (src.dims.kv_lora_rank, src.dims.rope_dim) == (128, 64) and src.num_cache_layers == 8
+    meta = {"format": 1, "scheme": "c4r4", "method": "rtn", "group_size": 48, "sink": 4, "recent": 128}
+    (tmp_path / "quantmla.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'quantmla.json'}: key 'group_size': group_size=48"):
+        inspect_model(str(tmp_path))
+    with pytest.raises(ValueError, match="key 'group_size'"):
+        quantmla.load(str(tmp_path))
+    meta["group_size"] = 32
+    (tmp_path / "quantmla.json").write_text(json.dumps(meta))
+    assert inspect_model(str(tmp_path)).meta == meta
