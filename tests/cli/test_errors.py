@@ -141,3 +141,10 @@ def test_value_error_from_deep_inside_is_one_line_and_bugs_are_not_swallowed(mon
     monkeypatch.setattr(ppl, "perplexity", bug)
     res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "1", "--seq-len", "16"])
     assert res.exit_code == 1 and isinstance(res.exception, KeyError)  # propagates, with its traceback
+
+
+def test_too_many_windows_is_one_line():
+    res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "100000", "--seq-len", "512"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error")]
+    assert len(errors) == 1 and "num_seqs=100000 but the text holds only" in errors[0], res.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -15,6 +16,8 @@ from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
 from quantmla.models.loading import dtype_name
 from quantmla.quant.scheme import parse_scheme
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,10 @@ def cache_bytes_per_token(model, window: torch.Tensor, scheme: str, cfg: Perplex
     cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
                                  recent=cfg.recent)  # fmt: skip
     model(window, use_cache=True, **cache_kwargs(cache))
-    return cache.bytes_per_token(), ",".join(sorted(set(cache.backends_used())))
+    backends = ",".join(sorted(set(cache.backends_used())))
+    logger.info("bytes/token of %s: %s cache storage after the model's prefill of %d tokens", scheme, backends,
+                window.shape[1])  # fmt: skip
+    return cache.bytes_per_token(), backends
 
 
 @torch.no_grad()
