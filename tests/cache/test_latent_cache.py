@@ -1,8 +1,9 @@
+import numpy as np
 import pytest
 import torch
 
 from quantmla import QuantizedLatentCache
-from quantmla.quant import fake_quantize, parse_scheme, quantize_fp8
+from quantmla.quant import parse_scheme
 from tiny_models import tiny_config
 
 CFG = tiny_config("deepseek_v3")  # latent 128, RoPE 64
@@ -16,12 +17,44 @@ def _feed(cache, c, r, layer=0, step=1):
     return out
 
 
+def _fp16_towards(x: np.ndarray, direction: float) -> np.ndarray:
+    """The nearest fp16 at or beyond float64 ``x`` in ``direction`` (as float64)."""
+    y = x.astype(np.float16)
+    off = y.astype(np.float64) > x if direction < 0 else y.astype(np.float64) < x
+    y[off] = np.nextafter(y[off], np.float16(direction))
+    return y.astype(np.float64)
+
+
+def affine_by_hand(x: torch.Tensor, bits: int, group: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and group of ``group`` channels, in float64: minimum = min rounded down to fp16, scale =
+    (max - minimum) / (2^bits - 1) rounded up to fp16, code = round((x - minimum) / scale). Returns the
+    dequantised values and the tolerance per element: 1e-6, or one step where the quotient lies within
+    float32 rounding of a tie (the cache divides in float32)."""
+    xs = x.float().double().numpy()  # the cache quantises the float32 value of its input
+    g = xs.reshape(*xs.shape[:-1], -1, group)
+    qmax = 2**bits - 1
+    mn = _fp16_towards(g.min(-1, keepdims=True), -np.inf)
+    sc = _fp16_towards((g.max(-1, keepdims=True) - mn) / qmax, np.inf)
+    quot = (g - mn) / np.where(sc > 0, sc, 1)
+    codes = np.where(sc > 0, np.clip(np.round(quot), 0, qmax), 0)
+    tie = np.abs(quot - np.floor(quot) - 0.5) < 1e-4
+    tol = np.where(tie, sc + 1e-6, 1e-6)
+    return torch.from_numpy((codes * sc + mn).reshape(xs.shape)), torch.from_numpy(tol.reshape(xs.shape))
+
+
+def fp8_by_hand(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """Per tile of 128 values: a power-of-two scale putting the tile's max at or below 448, e4m3 values."""
+    g = x.double().unflatten(-1, (-1, tile))
+    scale = torch.exp2(torch.ceil(torch.log2(g.abs().amax(-1, keepdim=True) / 448.0)))
+    return ((g.float() / scale.float()).to(torch.float8_e4m3fn).double() * scale).flatten(-2)
+
+
 def _ref_quant(x, fmt):
+    """(reference values, tolerance per element) of ``x`` stored in ``fmt``."""
     if fmt.kind == "int":
-        return fake_quantize(x, fmt.bits, 64)
-    if fmt.kind == "fp8":
-        return quantize_fp8(x).dequantize(x.dtype)
-    return x
+        return affine_by_hand(x, fmt.bits)
+    ref = fp8_by_hand(x) if fmt.kind == "fp8" else x
+    return ref, torch.full_like(ref, 1e-6)
 
 
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4", "c8r8", "c3r4", "fp8"])
@@ -34,11 +67,12 @@ def test_decode_view_sinks_quantised_middle_recent(scheme, sink, recent):
     out_c, out_r = _feed(cache, c, r)
     fmt = parse_scheme(scheme)
     n_mid = T - sink - recent
-    exp_c = torch.cat([c[:, 0, :sink], _ref_quant(c[:, 0, sink : sink + n_mid], fmt.content), c[:, 0, T - recent :]], 1)
-    exp_r = torch.cat([r[:, 0, :sink], _ref_quant(r[:, 0, sink : sink + n_mid], fmt.rope), r[:, 0, T - recent :]], 1)
-    assert out_c.shape == (2, 1, T, DC)
-    assert torch.allclose(out_c[:, 0], exp_c, atol=1e-6, rtol=0)
-    assert torch.allclose(out_r[:, 0], exp_r, atol=1e-6, rtol=0)
+    for out, x, path in ((out_c, c, fmt.content), (out_r, r, fmt.rope)):
+        ref, tol = _ref_quant(x[:, 0, sink : sink + n_mid], path)
+        exp = torch.cat([x[:, 0, :sink], ref, x[:, 0, T - recent :]], 1)
+        tol = torch.cat([torch.zeros_like(x[:, 0, :sink]), tol, torch.zeros_like(x[:, 0, T - recent :])], 1)
+        assert out.shape == (2, 1, T, x.shape[-1])
+        assert ((out[:, 0] - exp).abs() <= tol).all(), float((out[:, 0] - exp).abs().max())
     assert cache.get_seq_length() == T
 
 
@@ -50,7 +84,8 @@ def test_multi_token_update_returns_new_tokens_as_computed():
     assert torch.equal(out_c, c[:, :, :40]) and torch.equal(out_r, r[:, :, :40])
     out_c, _ = cache.update(c[:, :, 40:], r[:, :, 40:], 0)
     assert torch.equal(out_c[:, :, 40:], c[:, :, 40:])  # this call's own tokens at full precision
-    assert torch.allclose(out_c[:, 0, 1:36], fake_quantize(c[:, 0, 1:36], 2, 64))  # earlier ones as stored
+    ref, tol = affine_by_hand(c[:, 0, 1:36], 2)
+    assert ((out_c[:, 0, 1:36].double() - ref).abs() <= tol + 1e-6).all()  # earlier ones as stored
     assert not torch.equal(out_c[:, 0, 1:36], c[:, 0, 1:36])
 
 

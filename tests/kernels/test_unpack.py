@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES, PagedLayout, pack_words, unpack_words
-from quantmla.kernels.unpack import _plane_asm, plane_asm_kernel_args
+from quantmla.kernels import unpack
+from quantmla.kernels.layout import PagedLayout, pack_words, unpack_words
 
 
 @settings(max_examples=40, deadline=None)
@@ -89,37 +89,60 @@ def emulate(asm: str, operands: dict[int, int]) -> dict[int, int]:
     return reg
 
 
-@pytest.mark.parametrize("word_bits,bits,planes", [(32, 4, 8), (16, 2, 8), (16, 4, 4)])
-def test_ptx_dequantises_every_code_of_both_words(word_bits, bits, planes):
+# the PTX strings the kernels inline: (asm, constraints, word bits, code bits, planes, one shared scale word)
+KERNEL_ASM = {
+    "content-int4": (unpack.C4_ASM, unpack.C4_CONS, 32, 4, 8, False),
+    "content-int2": (unpack.C2_ASM, unpack.C2_CONS, 16, 2, 8, False),
+    "rope-int4-one-group": (unpack.R4_ASM, unpack.R4_CONS, 16, 4, 4, True),
+    "rope-int4-per-plane": (unpack.R4P_ASM, unpack.R4P_CONS, 16, 4, 4, False),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_ASM))
+def test_ptx_dequantises_every_code_of_both_words(name):
     """Two words per call; output plane k is (code k of word 0, code k of word 1) * s_k + m_k, from
-    plane k's scale|minimum word (the RoPE key: one word for all four planes)."""
-    shared = planes == 4
-    asm = _plane_asm(word_bits, bits, planes, shared_scale=shared)
-    _, cons = plane_asm_kernel_args(word_bits, bits, planes, shared_scale=shared)
+    plane k's scale|minimum word (one word for all planes when ``shared``). Each plane gets a different
+    scale and minimum, so a plane that read another plane's word would fail."""
+    asm, cons, word_bits, bits, planes, shared = KERNEL_ASM[name]
+    asm, cons = asm.value, cons.value
     n_words = 2 if word_bits == 32 else 1
-    assert cons.count("=r") == planes and cons.count(",") + 1 == planes + n_words + (2 if shared else 2 * planes)
+    n_sm = 1 if shared else planes
+    assert cons.split(",") == ["=r"] * planes + ["r"] * (n_words + 2 * n_sm)
     rng = np.random.default_rng(0)
     for trial in range(200):
         codes = rng.integers(0, 2**bits, size=(2, planes)) if trial else np.full((2, planes), 2**bits - 1)
         words = [sum(int(c) << (bits * k) for k, c in enumerate(codes[e])) for e in range(2)]
         s = rng.uniform(0.01, 40, planes).astype(np.float16)
         m = rng.uniform(-300, 300, planes).astype(np.float16)
-        if shared:
-            s[:], m[:] = s[0], m[0]
         ops = dict(enumerate([0] * planes))
         if n_words == 2:
             ops[planes], ops[planes + 1] = words
         else:
             ops[planes] = words[0] | (words[1] << 16)
         first = planes + n_words
-        for k in range(1 if shared else planes):  # scale|minimum words; the second register of each is unused
+        for k in range(n_sm):  # scale|minimum words; the second register of each is unused
             ops[first + 2 * k], ops[first + 2 * k + 1] = _f16x2(s[k], m[k]), 0xDEADBEEF
         out = emulate(asm, ops)
         for k in range(planes):
+            sk, mk = (s[0], m[0]) if shared else (s[k], m[k])
             got = _halves(out[f"${k}"] & 0xFFFFFFFF)
-            want = (codes[:, k] * s[k].astype(np.float64) + m[k].astype(np.float64)).astype(np.float16)
+            want = (codes[:, k] * sk.astype(np.float64) + mk.astype(np.float64)).astype(np.float16)
             assert np.array_equal(got, want.astype(np.float64)), (trial, k, got, want)
 
 
-def test_plane_counts_match_the_layout():
-    assert CONTENT_PLANES == 8 and ROPE_PLANES == 4
+@pytest.mark.parametrize("bits", [2, 4])
+def test_magic_exponent_turns_every_code_at_every_position_into_its_integer(bits):
+    """The lop3 trick of :func:`code_lines` (mask a code into a half's mantissa, OR in the exponent of
+    ``2**(10 - p)``, subtract it) and the shift for codes past the 10-bit mantissa, emulated: every code
+    value at every position of both 16-bit halves comes out as its integer (scale 1, minimum 0)."""
+    n = 16 // bits  # codes per half: 4 INT4, 8 INT2
+    outs = [f"o{i}" for i in range(n)]
+    lines = unpack.code_lines("$0", range(n), bits, outs, ["s"] * n, ["m"] * n)
+    one, zero = _f16x2(1.0, 1.0), _f16x2(0.0, 0.0)
+    asm = "\n".join([f"mov.b32 s, {one};", f"mov.b32 m, {zero};", *lines])
+    for v in range(2**bits):
+        lo, hi = v, 2**bits - 1 - v  # every position holds v in the low half, its complement in the high
+        word = sum(lo << (bits * k) for k in range(n)) | sum(hi << (bits * k) for k in range(n)) << 16
+        reg = emulate(asm, {0: word})
+        for k in range(n):
+            assert np.array_equal(_halves(reg[outs[k]]), [lo, hi]), (bits, v, k, _halves(reg[outs[k]]))

@@ -100,3 +100,20 @@ def test_matches_float64_reference_formula():
     assert diff.max() <= 1 and (diff > 0).sum() <= 2
     ref = dequantize_groups(ref_codes.view(3, 128), q.scale, q.minimum, 64, torch.float64)
     assert torch.allclose(ref, q.dequantize(torch.float64), atol=float(s.max()))
+
+
+def test_unchecked_quantisation_reads_nothing_back(monkeypatch):
+    """``check=False`` (the cache's decode steps) must not read values to the host (a GPU sync)."""
+    x = torch.randn(3, 128)
+    want = quantize_groups(x, 4, 64)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("a host read of a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    got = quantize_groups(x, 4, 64, check=False)
+    monkeypatch.undo()
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+    with pytest.raises(ValueError, match=r"\|x\| reaches 1e\+06"):
+        quantize_groups(torch.full((1, 64), 1e6), 4, 64)

@@ -16,10 +16,16 @@ computed, and stores them quantised for later steps; earlier tokens are seen as 
 
 ``hp_dtype`` (the unquantised windows) defaults to the dtype of the model's activations, which is
 BF16 in production; byte counts are measured from the allocated tensors either way.
+
+Validation: the tokens of a multi-token update (prefill) are checked once (finite, and inside the fp16
+range of the scales of an integer path), which reads values back to the host. Decode steps (one new
+token) are not checked, so a step makes no GPU->CPU sync and can be captured in a CUDA graph, unless
+the cache is built with ``validate=True`` (a debug mode: every update is checked).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,9 +34,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 from quantmla.cache.store import PathStore
 from quantmla.models import families  # noqa: F401  (registers the adapters)
 from quantmla.models.adapter import MLADims, get_adapter
-from quantmla.quant.affine import check_group
+from quantmla.quant.affine import check_finite, check_group, check_quantizable
 from quantmla.quant.fp8 import FP8_TILE
 from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -45,8 +53,11 @@ class LatentCacheConfig:
     recent: int = 128
     page_size: int = 64
     hp_dtype: torch.dtype | None = None
+    validate: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.validate, bool):
+            raise ValueError(f"validate={self.validate!r} must be True or False")
         for name in ("sink", "recent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -64,21 +75,29 @@ class LatentCacheConfig:
             if fmt.kind == "fp8" and dim % FP8_TILE:
                 raise ValueError(f"{what} dim {dim} is not a multiple of the FP8 tile {FP8_TILE}")
 
-    def persistent_bytes_per_token(self, hp_bytes: int = 2) -> int:
-        """Formula bytes of one quantised token (both paths)."""
+    def persistent_bytes_per_token(self) -> int:
+        """Formula bytes of one quantised token (both paths), for comparison with the measured bytes."""
         return self.scheme.bytes_per_token(self.kv_lora_rank, self.rope_dim, self.group_size)
 
-    def expected_nbytes(self, seq_len: int, batch: int = 1, hp_bytes: int = 2) -> int:
-        """Formula bytes of one cache layer holding ``seq_len`` tokens (no page rounding)."""
-        d = self.kv_lora_rank + self.rope_dim
-        if not self.scheme.quantized:
-            return batch * seq_len * d * hp_bytes
-        n_hp = min(seq_len, self.sink + self.recent)
-        return batch * (n_hp * d * hp_bytes + (seq_len - n_hp) * self.persistent_bytes_per_token())
+
+def check_tokens(cfg: LatentCacheConfig, c: torch.Tensor, r: torch.Tensor) -> None:
+    """Raise unless latent ``c`` and RoPE key ``r`` can be stored in ``cfg.scheme`` (GPU syncs)."""
+    for fmt, x, what in ((cfg.scheme.content, c, "content latent"), (cfg.scheme.rope, r, "RoPE key")):
+        if fmt.kind == "int":
+            check_quantizable(x, what)
+        elif fmt.kind == "fp8":
+            check_finite(x, what)
 
 
 class QuantizedLatentLayer(DynamicLayer):
-    """One MLA layer of the cache (subclasses DynamicLayer for transformers' bookkeeping)."""
+    """One MLA layer of the cache (subclasses DynamicLayer for transformers' bookkeeping).
+
+    ``keys`` / ``values`` are the content latent and the RoPE key of every cached token,
+    ``[B, 1, L, d]`` in the windows' dtype: for the ``bf16`` scheme exactly the stored values, for a
+    quantised scheme the tokens as a decode step reads them (sinks and recent window as stored, the
+    middle dequantised). They are computed on each access (a dequantisation, not a stored tensor) and
+    cannot be assigned.
+    """
 
     is_croppable = False
 
@@ -86,6 +105,24 @@ class QuantizedLatentLayer(DynamicLayer):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         self.seen = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._view(self.hp_dtype)[0].unsqueeze(1) if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("QuantizedLatentLayer.keys is a read-only view of the stored latent")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._view(self.hp_dtype)[1].unsqueeze(1) if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("QuantizedLatentLayer.values is a read-only view of the stored RoPE key")
 
     # -- transformers layer API -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -104,7 +141,6 @@ class QuantizedLatentLayer(DynamicLayer):
         self.batch = b
         self.rec_c = torch.empty(b, 0, cfg.kv_lora_rank, dtype=self.hp_dtype, device=self.device)
         self.rec_r = torch.empty(b, 0, cfg.rope_dim, dtype=self.hp_dtype, device=self.device)
-        self.keys = self.values = None  # the stores above hold the data
         self.is_initialized = True
 
     def _windows(self) -> tuple[int, int | None]:
@@ -124,20 +160,27 @@ class QuantizedLatentLayer(DynamicLayer):
         self.mid_r = store(cfg.scheme.rope, cfg.rope_dim)
 
     def _append_mid(self, c: torch.Tensor, r: torch.Tensor) -> None:
-        self.mid_c.append(c)
-        self.mid_r.append(r)
+        """Quantise and store tokens leaving the recent window (checked in ``update`` already)."""
+        self.mid_c.append(c, check=False)
+        self.mid_r.append(r, check=False)
 
     def _mid_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mid_c.dequantize(dtype), self.mid_r.dequantize(dtype)
 
     def _mid_nbytes(self) -> int:
+        """Allocated bytes of the quantised middle (whole pages of ``page_size`` tokens)."""
         return self.mid_c.nbytes() + self.mid_r.nbytes()
+
+    def _view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token as stored, the quantised ones dequantised: ``[B, L, d_c]``, ``[B, L, d_r]``."""
+        mc, mr = self._mid_view(dtype)
+        out_c = torch.cat([self.sink_c.dequantize(dtype), mc, self.rec_c.to(dtype)], dim=1)
+        out_r = torch.cat([self.sink_r.dequantize(dtype), mr, self.rec_r.to(dtype)], dim=1)
+        return out_c, out_r
 
     def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):
         """What ``update`` returns: every cached token, the new ones as computed when ``s > 1``."""
-        mc, mr = self._mid_view(c.dtype)
-        out_c = torch.cat([self.sink_c.dequantize(c.dtype), mc, self.rec_c.to(c.dtype)], dim=1)
-        out_r = torch.cat([self.sink_r.dequantize(r.dtype), mr, self.rec_r.to(r.dtype)], dim=1)
+        out_c, out_r = self._view(c.dtype)
         if s > 1:  # the new tokens of a multi-token update are attended as computed
             out_c[:, -s:] = c
             out_r[:, -s:] = r
@@ -161,10 +204,12 @@ class QuantizedLatentLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         c, r = key_states[:, 0], value_states[:, 0]
         s = c.shape[1]
+        if s > 1 or self.cfg.validate:  # once at prefill; per token only in the debug mode (GPU syncs)
+            check_tokens(self.cfg, c, r)
         sink_cap, recent_cap = self._windows()
         n_sink = min(max(sink_cap - self.sink_c.length, 0), s)
-        self.sink_c.append(c[:, :n_sink])
-        self.sink_r.append(r[:, :n_sink])
+        self.sink_c.append(c[:, :n_sink], check=False)
+        self.sink_r.append(r[:, :n_sink], check=False)
         self.rec_c = torch.cat([self.rec_c, c[:, n_sink:].to(self.hp_dtype)], dim=1)
         self.rec_r = torch.cat([self.rec_r, r[:, n_sink:].to(self.hp_dtype)], dim=1)
         overflow = self.rec_c.shape[1] - recent_cap if recent_cap is not None else 0
@@ -186,7 +231,6 @@ class QuantizedLatentLayer(DynamicLayer):
     def reset(self) -> None:
         self.seen = 0
         self.is_initialized = False
-        self.keys = self.values = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a quantised latent cache cannot be cropped: quantised tokens are not recoverable")
@@ -210,6 +254,7 @@ class QuantizedLatentLayer(DynamicLayer):
 
     # -- accounting -----------------------------------------------------------------------------
     def nbytes(self) -> int:
+        """Bytes of this layer's storage: windows and sinks as allocated, plus :meth:`_mid_nbytes`."""
         if not self.is_initialized:
             return 0
         hp = sum(t.numel() * t.element_size() for t in (self.rec_c, self.rec_r))
@@ -224,11 +269,15 @@ class QuantizedLatentCache(Cache):
         scheme: ``bf16``, ``fp8`` or ``c<b>r<b>`` (content / RoPE bits in {2,3,4,8}), e.g. ``c4r4``.
         group_size: channels per quantisation group (per token).
         sink / recent: the first ``sink`` and last ``recent`` tokens stay unquantised.
-        page_size: quantised storage grows in pages of this many tokens.
+        page_size: quantised storage grows in pages of this many tokens (the kernel layout: 16, 32, 64
+            or 128).
         hp_dtype: dtype of the unquantised windows (default: the model's activation dtype).
         backend: ``torch`` (dequantise, then attend), ``triton`` (the fused decode kernel; BF16
             models, schemes bf16 / c4r4 / c2r4), or ``auto``: triton for BF16 activations on CUDA
-            when the scheme has a kernel layout, torch otherwise. ``backends_used()`` says which ran.
+            when the kernel layout can hold the cache, torch otherwise. Each cache logs (INFO) once which
+            backend it uses and why; ``backends_used()`` / ``backend_reasons()`` say it per layer.
+        validate: check every stored token (finite, in the fp16 range of the scales). Off by default:
+            only multi-token updates (prefill) are checked, so that decode steps make no GPU->CPU sync.
     """
 
     def __init__(
@@ -241,6 +290,7 @@ class QuantizedLatentCache(Cache):
         page_size: int = 64,
         hp_dtype: torch.dtype | None = None,
         backend: str = "auto",
+        validate: bool = False,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
@@ -256,6 +306,7 @@ class QuantizedLatentCache(Cache):
             recent=recent,
             page_size=page_size,
             hp_dtype=hp_dtype,
+            validate=validate,
         )
         if backend == "triton":
             from quantmla.cache.kernel_layer import kernel_layout
@@ -263,21 +314,27 @@ class QuantizedLatentCache(Cache):
             kernel_layout(self.cache_config)  # fail now, with the reason, if the kernel cannot serve it
         layers = [QuantizedLatentLayer(self.cache_config, i) for i in range(adapter.num_cache_layers(config))]
         super().__init__(layers=layers)
+        self._reasons: list[str | None] = [None] * len(layers)
+        self._logged: set[str] = set()
 
-    def _kernel_layer(self, key_states: torch.Tensor, layer_idx: int) -> bool:
+    def _choose_backend(self, key_states: torch.Tensor) -> tuple[str, str]:
+        """``(backend, reason)`` for a layer whose first update is ``key_states``."""
+        dev, dt = key_states.device.type, key_states.dtype
+        where = f"{dev.upper() if dev == 'cuda' else dev}, {str(dt).removeprefix('torch.')}"
         if self.backend == "torch":
-            return False
+            return "torch", f"torch path: backend='torch' requested ({where})"
         if self.backend == "triton":
-            return True
-        if key_states.device.type != "cuda" or key_states.dtype != torch.bfloat16:
-            return False
-        from quantmla.cache.kernel_layer import kernel_layout
+            return "triton", f"triton kernel: backend='triton' requested ({where})"
+        if dev != "cuda":
+            return "torch", f"torch path: activations on {dev} (the kernel runs on CUDA)"
+        if dt != torch.bfloat16:
+            return "torch", f"torch path: activations in {where.split(', ')[1]} (the kernel needs bfloat16)"
+        from quantmla.cache.kernel_layer import supports_kernel
 
-        try:
-            kernel_layout(self.cache_config)
-        except ValueError:
-            return False
-        return True
+        ok, why = supports_kernel(self.cache_config)
+        if not ok:
+            return "torch", f"torch path: no kernel layout for this cache ({why})"
+        return "triton", f"triton kernel ({where})"
 
     def backends_used(self) -> list[str]:
         """Per layer, which path served it (``torch`` or ``triton``; ``-`` before the first update)."""
@@ -288,6 +345,19 @@ class QuantizedLatentCache(Cache):
             for lyr in self.layers
         ]
 
+    def backend_reasons(self) -> list[str]:
+        """Per layer, why its backend was chosen (the logged text; ``-`` before the first update)."""
+        return [r or "-" for r in self._reasons]
+
+    def decode_backend(self, layer_idx: int):
+        """The :class:`~quantmla.cache.kernel_layer.KernelLatentLayer` of ``layer_idx`` when its last
+        update was a single-token kernel decode step (it returned only the new token: attention must go
+        through its ``attend``), else ``None`` (the update returned every cached token)."""
+        from quantmla.cache.kernel_layer import KernelLatentLayer
+
+        layer = self.layers[layer_idx]
+        return layer if isinstance(layer, KernelLatentLayer) and layer.kernel_step else None
+
     @property
     def scheme(self) -> CacheScheme:
         return self.cache_config.scheme
@@ -296,18 +366,27 @@ class QuantizedLatentCache(Cache):
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(f"layer_idx={layer_idx} out of range: this cache has {len(self.layers)} layers")
         layer = self.layers[layer_idx]
-        if not layer.is_initialized and self._kernel_layer(key_states, layer_idx):
-            from quantmla.cache.kernel_layer import KernelLatentLayer
-
-            layer = self.layers[layer_idx] = KernelLatentLayer(self.cache_config, layer_idx)
+        if not layer.is_initialized:
+            backend, reason = self._choose_backend(key_states)
+            self._reasons[layer_idx] = reason
+            if reason not in self._logged:  # once per cache (again only if a layer decides otherwise)
+                self._logged.add(reason)
+                logger.info("quantmla cache %s: %s", self.scheme.name, reason)
+            if backend == "triton":
+                from quantmla.cache.kernel_layer import KernelLatentLayer as cls
+            else:
+                cls = QuantizedLatentLayer
+            if type(layer) is not cls:
+                layer = self.layers[layer_idx] = cls(self.cache_config, layer_idx)
         return layer.update(key_states, value_states)
 
     def nbytes(self) -> int:
-        """Bytes of all allocated cache storage (codes, scales, minima and unquantised windows)."""
+        """Bytes of the cache storage in use: unquantised windows and sinks as allocated, quantised
+        tokens in whole pages (see each layer's ``nbytes``)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def bytes_per_token(self) -> float:
-        """Allocated bytes per token per layer, averaged over the batch."""
+        """:meth:`nbytes` per token per layer, averaged over the batch (measured, not a formula)."""
         seq = self.get_seq_length()
         layer0 = self.layers[0]
         if seq == 0 or not layer0.is_initialized:

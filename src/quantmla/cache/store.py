@@ -51,17 +51,19 @@ class PathStore:
     def capacity(self) -> int:
         return next(iter(self.tensors.values())).shape[1]
 
-    def _encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode(self, x: torch.Tensor, check: bool) -> dict[str, torch.Tensor]:
         if self.fmt.kind == "bf16":
             return {"values": x.to(self.hp_dtype)}
         if self.fmt.kind == "fp8":
-            q = quantize_fp8(x)
+            q = quantize_fp8(x, check=check)
             return {"values": q.values, "scale": q.scale}
-        q = quantize_groups(x, self.fmt.bits, self.group_size)
+        q = quantize_groups(x, self.fmt.bits, self.group_size, check=check)
         return {"codes": pack_codes(q.codes, self.fmt.bits), "scale": q.scale, "minimum": q.minimum}
 
-    def append(self, x: torch.Tensor) -> None:
-        """Quantise and store ``x`` of shape ``[batch, n, dim]``."""
+    def append(self, x: torch.Tensor, check: bool = True) -> None:
+        """Quantise and store ``x`` of shape ``[batch, n, dim]``. ``check``: reject values the format
+        cannot hold (non-finite, beyond fp16 for integer codes); it reads values back to the host (a GPU
+        sync), so a caller that checked ``x`` before passes ``False``."""
         n = x.shape[1]
         if n == 0:
             return
@@ -72,7 +74,7 @@ class PathStore:
                 grown = torch.empty(self.batch, cap, t.shape[-1], dtype=t.dtype, device=t.device)
                 grown[:, : self.length] = t[:, : self.length]
                 self.tensors[name] = grown
-        for name, v in self._encode(x).items():
+        for name, v in self._encode(x, check).items():
             self.tensors[name][:, self.length : need] = v
         self.length = need
 
@@ -86,6 +88,7 @@ class PathStore:
         return dequantize_groups(codes, t["scale"], t["minimum"], self.group_size, dtype)
 
     def nbytes(self) -> int:
+        """Bytes of the allocated arrays (whole pages)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def map_batch(self, fn) -> None:

@@ -239,10 +239,8 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
     """Splits per sequence: about eight programs per SM (more, shorter programs even out the last wave),
     but for small batches (at most 32 programs per split index) two when that would leave fewer than 4
     pages per split and four when it would leave 4-24; at most one split per page and MAX_SPLITS splits.
-    Each split costs a partial output to write and combine, so short splits lose. On the H200 (CUDA-graph
-    times, h=16, C4R4): B=8, 16K 51.4 us at two programs per SM against 71.1 at eight; B=8, 64K 154.1 at
-    four against 167.4; B=32, 64K stays best at eight (545.7 against 657.6 at four), and B=128, 4K lost
-    at four (185.4 against 166.8 us at eight)."""
+    Each split costs a partial output to write and combine, so short splits lose. The H200 timings behind
+    these thresholds are in BENCHMARKS.md."""
     programs = _sm_count(device) / (batch * head_groups)  # splits for one program per SM
     pages8 = max_pages / math.ceil(8 * programs)
     small = batch * head_groups <= 32
@@ -251,11 +249,10 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
-    """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep and
-    benchmarks/decode_variants.py). The low-bit kernel at h <= 16 runs two pipeline stages (cp.async of
-    the next tile's words and scale words): 1.09x (INT4) and 1.05x (INT2) at B=32, 64K; the 64-head
-    launch keeps one. No register cap: INT2 gained 1.04x from a cap of 168 at one stage, but loses with
-    two (610.2 vs 519.7 us)."""
+    """Launch parameters tuned on H200 at B=32, 64K (benchmarks/decode_attention.py --sweep; the figures
+    are in BENCHMARKS.md). The low-bit kernel at h <= 16 runs two pipeline stages (cp.async of the next
+    tile's words and scale words); the 64-head launch keeps one. No register cap (a cap helped INT2 at one
+    stage only, and two stages win)."""
     if content_bits != 16:  # the low-bit kernel
         return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=2 if block_h <= 16 else 1, maxnreg=None)
     return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2, maxnreg=None)

@@ -84,7 +84,7 @@ def _lowbit_kernel(
             tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
             tok = page * PAGE + rows
             w = tl.load(CW + tok[:, None] * PW + cp, mask=tmask[:, None], other=0)
-            if BLOCK_H <= 16:  # one [T, 8] load; at 64 heads per program it lost (0.95x at h=128)
+            if BLOCK_H <= 16:  # one [T, 8] load (at 64 heads per program: eight loads, see BENCHMARKS.md)
                 sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, tok, tmask, PW, G, NG, BLOCK_T)
             else:
                 sm0 = _scale(CSM, tok, tmask, 0, PW, G, NG)
@@ -99,7 +99,14 @@ def _lowbit_kernel(
                 w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, CBITS, 32 if CBITS == 4 else 16, ASM_OK
             )
             rw = tl.load(RW + tok[:, None] * RPW + rp, mask=tmask[:, None], other=0)
-            r0, r1, r2, r3 = dequant4(rw, _scale(RSM, tok, tmask, 0, RPW, G, NGR), ASM_OK)
+            if NGR == 1:  # one group covers the RoPE key: one scale word for all four planes
+                rsm = _scale(RSM, tok, tmask, 0, RPW, G, NGR)
+                r0, r1, r2, r3 = dequant4(rw, rsm, rsm, rsm, rsm, True, ASM_OK)
+            else:  # plane k lies in group (k * RPW) // G
+                r0, r1, r2, r3 = dequant4(
+                    rw, _scale(RSM, tok, tmask, 0, RPW, G, NGR), _scale(RSM, tok, tmask, 1, RPW, G, NGR),
+                    _scale(RSM, tok, tmask, 2, RPW, G, NGR), _scale(RSM, tok, tmask, 3, RPW, G, NGR), False, ASM_OK,
+                )  # fmt: skip
             c0, c1, c2, c3, c4, c5, c6, c7 = (
                 c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT)
             )  # fmt: skip

@@ -23,10 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.quant.affine import check_group, quantize_groups
+from quantmla.quant.affine import quantize_groups
 
 KERNEL_CONTENT_BITS = (16, 4, 2)
 KERNEL_ROPE_BITS = (16, 4)
+PAGE_SIZES = (16, 32, 64, 128)
+
+
+class NoKernelLayout(ValueError):
+    """The kernel layout cannot hold this cache (scheme format, geometry, group or page size); the
+    message says why. The torch path of the cache may still serve it."""
 
 
 CONTENT_PLANES = 8
@@ -74,36 +80,48 @@ class PagedLayout:
 
     def __post_init__(self) -> None:
         if self.content_bits not in KERNEL_CONTENT_BITS:
-            raise ValueError(f"content_bits={self.content_bits}; the kernel supports {KERNEL_CONTENT_BITS}")
+            raise NoKernelLayout(f"content_bits={self.content_bits}; the kernel supports {KERNEL_CONTENT_BITS}")
         if self.rope_bits not in KERNEL_ROPE_BITS:
-            raise ValueError(f"rope_bits={self.rope_bits}; the kernel supports {KERNEL_ROPE_BITS}")
-        check_group(self.kv_lora_rank, self.group_size)
-        check_group(self.rope_dim, self.group_size)
+            raise NoKernelLayout(f"rope_bits={self.rope_bits}; the kernel supports {KERNEL_ROPE_BITS}")
+        if self.quantized and self.rope_bits == 16:
+            raise NoKernelLayout("a quantised content path with a BF16 RoPE key is not a kernel layout")
+        if self.quantized:
+            for name, d in (("kv_lora_rank", self.kv_lora_rank), ("rope_dim", self.rope_dim)):
+                if self.group_size <= 0 or d % self.group_size:
+                    raise NoKernelLayout(
+                        f"group_size={self.group_size} does not divide {name}={d}; the kernel layout needs a"
+                        f" group size dividing both kv_lora_rank={self.kv_lora_rank} and rope_dim={self.rope_dim}"
+                    )
         # each plane (a run of d / planes channels) is an MMA operand (>= 16 wide) inside one group
         for name, d, planes in (
             ("kv_lora_rank", self.kv_lora_rank, CONTENT_PLANES),
             ("rope_dim", self.rope_dim, ROPE_PLANES),
         ):
             w = d // planes
-            if d % planes or w < 16 or w & (w - 1) or self.group_size % w:
-                raise ValueError(
+            if d % planes or w < 16 or w & (w - 1) or (self.quantized and self.group_size % w):
+                raise NoKernelLayout(
                     f"{name}={d}: the kernel layout needs {planes} runs of a power-of-two width >= 16 that"
                     f" divides group_size={self.group_size} (e.g. {name}={planes * 16} .. {planes * self.group_size})"
                 )
-        if self.page_size not in (16, 32, 64, 128):
-            raise ValueError(f"page_size={self.page_size}; valid: 16, 32, 64, 128")
+        if self.page_size not in PAGE_SIZES:
+            raise NoKernelLayout(f"page_size={self.page_size}; the kernel layout supports {PAGE_SIZES}")
 
     @classmethod
     def for_scheme(cls, scheme: str, **kw) -> PagedLayout:
         from quantmla.quant.scheme import parse_scheme
 
         s = parse_scheme(scheme)
-        bits = {"bf16": 16, "int": None}
 
         def b(fmt) -> int:
             if fmt.kind == "fp8":
-                raise ValueError(f"scheme {scheme!r}: the low-bit kernel has no FP8 path; valid: bf16, c4r4, c2r4")
-            return bits["bf16"] if fmt.kind == "bf16" else fmt.bits
+                raise NoKernelLayout(f"scheme {s.name!r}: the kernel has no FP8 path; valid: bf16, c4r4, c2r4")
+            if fmt.kind == "bf16":
+                return 16
+            if fmt.bits not in KERNEL_CONTENT_BITS:
+                raise NoKernelLayout(
+                    f"scheme {s.name!r}: the kernel has no INT{fmt.bits} path; valid: bf16, c4r4, c2r4"
+                )
+            return fmt.bits
 
         return cls(content_bits=b(s.content), rope_bits=b(s.rope), **kw)
 
@@ -136,8 +154,6 @@ class PagedLatentStore:
         self.layout, self.num_pages = layout, num_pages
         lay, p, t = layout, num_pages, layout.page_size
         if lay.quantized:
-            if lay.rope_bits == 16:
-                raise ValueError("a quantised content path with a BF16 RoPE key is not a kernel layout")
             self.content = torch.zeros(p, t, lay.content_width(), dtype=torch.uint8, device=device)
             g = lay.kv_lora_rank // lay.group_size
             self.c_sm = torch.zeros(p, t, g, 2, dtype=torch.float16, device=device)  # (scale, minimum)
@@ -161,16 +177,25 @@ class PagedLatentStore:
         return cw, self.c_sm.view(torch.int32), self.rope.view(torch.int16), self.r_sm.view(torch.int32)
 
     def nbytes(self) -> int:
+        """Bytes of the whole pool (every page, in use or not)."""
         return sum(x.numel() * x.element_size() for x in self.tensors())
 
-    def write(self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
-        """Store tokens ``c [N, d_c]``, ``r [N, d_r]`` at ``(pages[i], slots[i])``, quantised once."""
+    def page_nbytes(self) -> int:
+        """Bytes of one page, measured from the storage arrays (codes, scale|minimum words, RoPE)."""
+        return sum(x[0].numel() * x.element_size() for x in self.tensors())
+
+    def write(
+        self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor, check: bool = True
+    ) -> None:
+        """Store tokens ``c [N, d_c]``, ``r [N, d_r]`` at ``(pages[i], slots[i])``, quantised once.
+        ``check``: reject non-finite values or values beyond the fp16 range of the scales (this reads the
+        values back to the host: a GPU sync; the cache's decode steps pass ``False``)."""
         lay = self.layout
         if not lay.quantized:
             self.content[pages, slots] = torch.cat([c, r], dim=-1).to(torch.bfloat16)
             return
-        qc = quantize_groups(c, lay.content_bits, lay.group_size)
-        qr = quantize_groups(r, lay.rope_bits, lay.group_size)
+        qc = quantize_groups(c, lay.content_bits, lay.group_size, check=check)
+        qr = quantize_groups(r, lay.rope_bits, lay.group_size, check=check)
         self.content[pages, slots] = pack_words(qc.codes, lay.content_bits, CONTENT_PLANES)
         self.c_sm[pages, slots] = torch.stack([qc.scale, qc.minimum], dim=-1).to(torch.float16)
         self.rope[pages, slots] = pack_words(qr.codes, lay.rope_bits, ROPE_PLANES)

@@ -95,10 +95,12 @@ def plane_asm_kernel_args(word_bits: int, bits: int, planes: int, shared_scale: 
 
 _C4 = plane_asm_kernel_args(32, 4, 8)  # INT4 content: 8 planes in a 32-bit word
 _C2 = plane_asm_kernel_args(16, 2, 8)  # INT2 content: 8 planes in a 16-bit word
-_R4 = plane_asm_kernel_args(16, 4, 4, shared_scale=True)  # INT4 RoPE key: 4 planes (one group) in a 16-bit word
+_R4 = plane_asm_kernel_args(16, 4, 4, shared_scale=True)  # INT4 RoPE key, one group: one scale word
+_R4P = plane_asm_kernel_args(16, 4, 4)  # INT4 RoPE key over several groups: a scale word per plane
 C4_ASM, C4_CONS = tl.constexpr(_C4[0]), tl.constexpr(_C4[1])
 C2_ASM, C2_CONS = tl.constexpr(_C2[0]), tl.constexpr(_C2[1])
 R4_ASM, R4_CONS = tl.constexpr(_R4[0]), tl.constexpr(_R4[1])
+R4P_ASM, R4P_CONS = tl.constexpr(_R4P[0]), tl.constexpr(_R4P[1])
 
 
 @triton.jit
@@ -131,9 +133,20 @@ def dequant8(w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, BITS: tl.constexpr, WORD
 
 
 @triton.jit
-def dequant4(w, sm, ASM_OK: tl.constexpr):
-    """Four INT4 planes of a RoPE tile (one group): ``w [T, n]`` 16-bit words, the scale|minimum word ``[T, 1]``."""
+def dequant4(w, sm0, sm1, sm2, sm3, SHARED: tl.constexpr, ASM_OK: tl.constexpr):
+    """Four INT4 planes of a RoPE tile: ``w [T, n]`` 16-bit words; per plane the scale|minimum word
+    ``[T, 1]``. ``SHARED``: one group covers the key, so ``sm0`` serves every plane (one scale word)."""
     if ASM_OK:
-        return tl.inline_asm_elementwise(R4_ASM, R4_CONS, [w, sm], dtype=(tl.float16,) * 4, is_pure=False, pack=2)
+        if SHARED:
+            return tl.inline_asm_elementwise(
+                R4_ASM, R4_CONS, [w, sm0], dtype=(tl.float16,) * 4, is_pure=False, pack=2
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            R4P_ASM, R4P_CONS, [w, sm0, sm1, sm2, sm3], dtype=(tl.float16,) * 4, is_pure=False, pack=2
+        )  # fmt: skip
     else:
-        return (_plane_ref(w, sm, 0, 4), _plane_ref(w, sm, 1, 4), _plane_ref(w, sm, 2, 4), _plane_ref(w, sm, 3, 4))
+        if SHARED:
+            return (_plane_ref(w, sm0, 0, 4), _plane_ref(w, sm0, 1, 4), _plane_ref(w, sm0, 2, 4),
+                    _plane_ref(w, sm0, 3, 4))  # fmt: skip
+        return (_plane_ref(w, sm0, 0, 4), _plane_ref(w, sm1, 1, 4), _plane_ref(w, sm2, 2, 4),
+                _plane_ref(w, sm3, 3, 4))  # fmt: skip

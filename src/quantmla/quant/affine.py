@@ -34,9 +34,19 @@ def check_group(dim: int, group_size: int) -> None:
 
 
 def check_finite(x: torch.Tensor, what: str = "input") -> None:
+    """Raise if ``x`` holds NaN or infinities (reads a flag back to the host: a GPU sync)."""
     if not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).sum().item()
         raise ValueError(f"{what} holds {bad} NaN or infinite value(s); quantisation needs finite values")
+
+
+def check_quantizable(x: torch.Tensor, what: str = "input") -> None:
+    """Raise unless ``x`` is finite and inside the fp16 range of the stored scale and minimum. This
+    reads values back to the host (GPU syncs), so callers on a hot path check once at a boundary."""
+    check_finite(x, what)
+    amax = x.abs().max().item() if x.numel() else 0.0
+    if amax > FP16_MAX:
+        raise ValueError(f"|{what}| reaches {amax:g}, beyond the fp16 range ({FP16_MAX}) of the stored scale/min")
 
 
 def _fp16_round(x: torch.Tensor, direction: float) -> torch.Tensor:
@@ -62,15 +72,13 @@ class GroupQuantized:
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group_size: int = 64, check: bool = True) -> GroupQuantized:
-    """Quantise the last dimension of ``x`` in groups of ``group_size`` channels."""
+    """Quantise the last dimension of ``x`` in groups of ``group_size`` channels. ``check``: first
+    :func:`check_quantizable` (GPU syncs; pass ``False`` where the values were checked before)."""
     check_bits(bits)
     d = x.shape[-1]
     check_group(d, group_size)
     if check:
-        check_finite(x)
-        amax = x.abs().max().item() if x.numel() else 0.0
-        if amax > FP16_MAX:
-            raise ValueError(f"|x| reaches {amax:g}, beyond the fp16 range ({FP16_MAX}) of the stored scale/min")
+        check_quantizable(x, "x")
     xf = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
     lo = xf.amin(-1)
     hi = xf.amax(-1)

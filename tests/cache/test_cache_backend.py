@@ -1,0 +1,239 @@
+"""The cache's backend choice (logged, with its reason), page sizes, measured bytes, the keys/values
+views, ``decode_backend`` and a decode step without GPU->CPU syncs, for both backends (the triton one
+runs in Triton's interpreter on CPU)."""
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from quantmla import QuantizedLatentCache
+from quantmla.cache import kernel_layer
+from quantmla.cache.kernel_layer import KernelLatentLayer, supports_kernel
+from tiny_models import tiny_config
+
+pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
+
+CFG = tiny_config("deepseek_v3")  # latent 128, RoPE 64, 4 heads, 2 layers
+DC, DR, H = 128, 64, 4
+LOGGER = "quantmla.cache.latent_cache"
+
+
+def tokens(b, n, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 1, n, DC, generator=g).to(dtype), torch.randn(b, 1, n, DR, generator=g).to(dtype)
+
+
+def test_auto_logs_its_choice_once_per_cache(caplog):
+    c, r = tokens(2, 5, torch.float32)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        cache = QuantizedLatentCache(CFG, scheme="c4r4")
+        for step in range(3):
+            for layer in range(2):
+                cache.update(c[:, :, step : step + 1], r[:, :, step : step + 1], layer)
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == LOGGER]
+    assert lines == ["quantmla cache c4r4: torch path: activations on cpu (the kernel runs on CUDA)"]
+    assert cache.backends_used() == ["torch", "torch"]
+    assert cache.backend_reasons() == ["torch path: activations on cpu (the kernel runs on CUDA)"] * 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        kc = QuantizedLatentCache(CFG, scheme="c2r4", backend="triton")
+        kc.update(c.bfloat16(), r.bfloat16(), 0)
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "quantmla cache c2r4: triton kernel: backend='triton' requested (cpu, bfloat16)"
+    ]
+    assert kc.backends_used() == ["triton", "-"] and kc.backend_reasons()[1] == "-"
+
+
+@pytest.mark.parametrize(
+    "scheme,dtype,page,backend,reason",
+    [
+        ("c4r4", torch.bfloat16, 64, "triton", "triton kernel (CUDA, bfloat16)"),
+        ("c4r4", torch.float16, 64, "torch", "torch path: activations in float16 (the kernel needs bfloat16)"),
+        ("fp8", torch.bfloat16, 64, "torch", "torch path: no kernel layout for this cache (scheme 'fp8': the kernel"),
+        ("c8r8", torch.bfloat16, 64, "torch", "torch path: no kernel layout for this cache (scheme 'c8r8': the kernel"),
+        ("c4r4", torch.bfloat16, 8, "torch", "torch path: no kernel layout for this cache (page_size=8;"),
+    ],
+)
+def test_auto_on_cuda_picks_by_layout(scheme, dtype, page, backend, reason):
+    cache = QuantizedLatentCache(CFG, scheme=scheme, page_size=page)
+    fake = SimpleNamespace(device=torch.device("cuda"), dtype=dtype)  # the decision reads device and dtype only
+    got, why = cache._choose_backend(fake)
+    assert got == backend and why.startswith(reason), why
+
+
+def test_only_no_kernel_layout_falls_back(monkeypatch):
+    cfg = QuantizedLatentCache(CFG, scheme="c3r4").cache_config
+    ok, why = supports_kernel(cfg)
+    assert not ok and "INT3" in why
+    assert supports_kernel(QuantizedLatentCache(CFG, scheme="c2r4").cache_config)[0]
+
+    def broken(cfg):
+        raise ValueError("a bug, not a missing layout")
+
+    monkeypatch.setattr(kernel_layer, "kernel_layout", broken)
+    with pytest.raises(ValueError, match="a bug"):  # never swallowed
+        supports_kernel(cfg)
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_triton_backend_honours_page_size(page):
+    B, T, sink, recent = 2, 90, 2, 5
+    c, r = tokens(B, T)
+    cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=sink, recent=recent, page_size=page, backend="triton")
+    cache.update(c[:, :, :-1], r[:, :, :-1], 0)
+    cache.update(c[:, :, -1:], r[:, :, -1:], 0)
+    layer = cache.layers[0]
+    assert layer.layout.page_size == page and layer.store.content.shape[1] == page
+    n_mid = T - sink - recent
+    assert layer.free_page == B * math.ceil(n_mid / page)
+    torch_cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=sink, recent=recent, page_size=page, backend="torch")
+    torch_cache.update(c, r, 0)
+    assert torch.equal(layer.keys, torch_cache.layers[0].keys)  # the same stored tokens, read from pages
+
+
+def _kernel_layer_bytes(layer: KernelLatentLayer) -> int:
+    """Bytes of the distinct pages the block table maps, from the store's array shapes, plus the windows."""
+    used = math.ceil(layer.n_mid / layer.layout.page_size)
+    pages = torch.unique(layer.block_table[:, :used]).numel() if used else 0
+    per_page = sum(t.shape[1:].numel() * t.element_size() for t in layer.store.tensors())
+    windows = [layer.rec_c, layer.rec_r, *layer.sink_c.tensors.values(), *layer.sink_r.tensors.values()]
+    return pages * per_page + sum(t.numel() * t.element_size() for t in windows)
+
+
+@pytest.mark.parametrize("scheme", ["c4r4", "c2r4", "bf16"])
+def test_bytes_are_measured_from_the_pages_in_use(scheme):
+    B, T, page = 3, 150, 32
+    c, r = tokens(B, T)
+    kw = dict(scheme=scheme, sink=4, recent=16, page_size=page)
+    kc, tc = QuantizedLatentCache(CFG, backend="triton", **kw), QuantizedLatentCache(CFG, backend="torch", **kw)
+    for cache in (kc, tc):
+        for i in range(2):
+            cache.update(c[:, :, :100], r[:, :, :100], i)
+            for t in range(100, T):  # the pool grows (and doubles) on the way
+                cache.update(c[:, :, t : t + 1], r[:, :, t : t + 1], i)
+    layer = kc.layers[0]
+    assert layer.store.num_pages > layer.free_page  # the pool holds pages not handed out: not counted
+    assert kc.layers[0].nbytes() == _kernel_layer_bytes(layer)
+    assert kc.nbytes() == sum(_kernel_layer_bytes(lyr) for lyr in kc.layers)
+    if scheme == "bf16":  # torch keeps every token unpaged; the kernel in whole BF16 pages
+        assert 0 <= kc.nbytes() - tc.nbytes() < 2 * B * page * (DC + DR) * 2
+    else:  # both hold the quantised middle in whole pages of the same format
+        assert kc.nbytes() == tc.nbytes()
+    assert kc.bytes_per_token() == kc.nbytes() / (2 * T * B)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scheme", ["bf16", "c4r4"])
+def test_keys_and_values_are_the_cached_tokens(backend, scheme):
+    B, T = 2, 60
+    c, r = tokens(B, T)
+    cache = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=8, page_size=16, backend=backend)
+    assert cache.layers[0].keys is None
+    cache.update(c, r, 0)
+    layer = cache.layers[0]
+    assert layer.keys.shape == (B, 1, T, DC) and layer.values.shape == (B, 1, T, DR)
+    if scheme == "bf16":  # exactly what was stored
+        assert torch.equal(layer.keys, c) and torch.equal(layer.values, r)
+    else:  # what a decode step attends: sinks and recent as computed, the middle dequantised
+        assert torch.equal(layer.keys[:, :, :2], c[:, :, :2]) and torch.equal(layer.keys[:, :, -8:], c[:, :, -8:])
+        err = (layer.keys[:, :, 2:-8].float() - c[:, :, 2:-8].float()).abs()
+        assert 0 < err.max() < 0.5
+    with pytest.raises(AttributeError, match="read-only"):
+        layer.keys = c
+
+
+def test_decode_backend_only_after_a_kernel_decode_step():
+    c, r = tokens(2, 30)
+    kc = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton")
+    tc = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="torch")
+    for cache in (kc, tc):
+        assert cache.decode_backend(0) is None
+        cache.update(c[:, :, :20], r[:, :, :20], 0)
+        assert cache.decode_backend(0) is None  # prefill returned every token
+    out_c, _ = kc.update(c[:, :, 20:21], r[:, :, 20:21], 0)
+    assert kc.decode_backend(0) is kc.layers[0] and out_c.shape[2] == 1  # only the new token came back
+    assert kc.decode_backend(1) is None
+    tc.update(c[:, :, 20:21], r[:, :, 20:21], 0)
+    assert tc.decode_backend(0) is None
+    kc.update(c[:, :, 21:23], r[:, :, 21:23], 0)
+    assert kc.decode_backend(0) is None
+
+
+@pytest.fixture
+def no_syncs(monkeypatch):
+    """Make every Python-level read of a tensor's value (a GPU->CPU sync on CUDA) raise."""
+
+    def sync(*args, **kwargs):
+        raise AssertionError("a GPU->CPU sync in the decode step")
+
+    def arm():
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, sync)
+        monkeypatch.setattr(torch, "equal", sync)
+
+    return arm
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scheme", ["c4r4", "fp8", "bf16"])
+def test_decode_step_makes_no_sync(no_syncs, backend, scheme):
+    if backend == "triton" and scheme == "fp8":
+        pytest.skip("no kernel layout")
+    B, T = 2, 40
+    c, r = tokens(B, T)
+    cache = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=4, page_size=16, backend=backend)
+    for i in range(2):
+        cache.update(c[:, :, :-3], r[:, :, :-3], i)  # prefill: checked (syncs allowed)
+    mask = torch.ones(B, 1, 1, T - 2, dtype=torch.bool)
+    mask[1, ..., :5] = False  # left padding of row 1
+    args = (torch.randn(B, H, 1, 32).bfloat16(), torch.randn(B, H, 1, DR).bfloat16(), torch.randn(H, 32, DC),
+            torch.randn(H, 32, DC), 0.1, mask)  # fmt: skip
+    no_syncs()
+    for i in range(2):  # a decode step: every layer's write (tokens leave the window: quantised) and attention
+        cache.update(c[:, :, -3:-2], r[:, :, -3:-2], i)
+        layer = cache.decode_backend(i)
+        assert (layer is not None) == (backend == "triton")
+        if layer is not None:
+            out = layer.attend(*args)
+            assert out.shape == (B, 1, H, 32)
+
+
+def test_validate_checks_every_token_only_when_asked():
+    c, r = tokens(1, 30, torch.float32)
+    bad_c = c[:, :, :1].clone()
+    bad_c[..., 3] = float("nan")
+    for validate in (False, True):
+        cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=0, recent=0, validate=validate)
+        with pytest.raises(ValueError, match="content latent holds 1 NaN"):
+            cache.update(torch.cat([c, bad_c], 2), torch.cat([r, r[:, :, :1]], 2), 0)  # prefill: always checked
+        cache.update(c, r, 0)
+        if validate:
+            with pytest.raises(ValueError, match="content latent holds 1 NaN"):
+                cache.update(bad_c, r[:, :, :1], 0)
+        else:  # the decode step stores it unchecked (no sync)
+            cache.update(bad_c, r[:, :, :1], 0)
+    with pytest.raises(ValueError, match="validate='yes'"):
+        QuantizedLatentCache(CFG, validate="yes")
+
+
+def test_a_mask_that_is_not_left_padding_gives_nan_or_raises():
+    B, T = 2, 30
+    c, r = tokens(B, T)
+    args = (torch.randn(B, H, 1, 32).bfloat16(), torch.randn(B, H, 1, DR).bfloat16(), torch.randn(H, 32, DC),
+            torch.randn(H, 32, DC), 0.1)  # fmt: skip
+    mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool)
+    mask[0, ..., 10] = False  # a hole: not a left padding
+    for validate in (False, True):
+        cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton",
+                                     validate=validate)  # fmt: skip
+        cache.update(c, r, 0)
+        cache.update(c[:, :, :1], r[:, :, :1], 0)
+        if validate:
+            with pytest.raises(NotImplementedError, match="left padding only"):
+                cache.decode_backend(0).attend(*args, mask)
+        else:
+            out = cache.decode_backend(0).attend(*args, mask)
+            assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
