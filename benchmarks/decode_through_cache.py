@@ -26,8 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
+import sys
 import time
+
+if "--smoke" in sys.argv:  # on CPU, --backend triton runs in Triton's interpreter (set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
@@ -85,13 +90,16 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+BACKEND = "auto"  # --backend
+
+
 def filled_cache(model, scheme: str, B: int, L: int, seed: int = 0):
     """A cache holding ``L`` random latent tokens per layer, as a prefill would leave it."""
     cfg, dev = model.config, model.device
     if scheme == "stock":
-        cache = DynamicCache(config=cfg)
+        cache = DynamicCache()
     else:
-        cache = quantmla.QuantizedLatentCache(cfg, scheme=scheme, backend="auto")
+        cache = quantmla.QuantizedLatentCache(cfg, scheme=scheme, backend=BACKEND)
     g = torch.Generator(device=dev).manual_seed(seed)
     for i in range(cfg.num_hidden_layers):
         c = torch.randn(B, 1, L, cfg.kv_lora_rank, generator=g, device=dev, dtype=torch.bfloat16)
@@ -198,9 +206,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="forwards per step timing")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    ap.add_argument(
+        "--backend", default="auto", choices=("auto", "torch", "triton"), help="QuantizedLatentCache backend"
+    )
     args = ap.parse_args()
+    global BACKEND
+    BACKEND = args.backend
     if args.smoke:
-        args.batch, args.prompt, args.new_tokens, args.runs, args.steps, args.layers = [2], [40], 4, 2, 2, 2
+        args.batch, args.prompt, args.new_tokens, args.runs, args.steps, args.layers = [2], [160], 3, 1, 2, 2
         dev = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
