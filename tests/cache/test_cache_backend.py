@@ -19,11 +19,20 @@ pytest.importorskip("triton", reason="triton is an optional dependency (pip inst
 CFG = tiny_config("deepseek_v3")  # latent 128, RoPE 64, 4 heads, 2 layers
 DC, DR, H = 128, 64, 4
 LOGGER = "quantmla.cache.latent_cache"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # where the triton backend's kernel can run
 
 
-def tokens(b, n, dtype=torch.bfloat16, seed=0):
+def tokens(b, n, dtype=torch.bfloat16, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, 1, n, DC, generator=g).to(dtype), torch.randn(b, 1, n, DR, generator=g).to(dtype)
+    c, r = torch.randn(b, 1, n, DC, generator=g), torch.randn(b, 1, n, DR, generator=g)
+    return c.to(device, dtype), r.to(device, dtype)
+
+
+def attend_args(B):
+    g = torch.Generator().manual_seed(1)
+    q_nope, q_pe = torch.randn(B, H, 1, 32, generator=g), torch.randn(B, H, 1, DR, generator=g)
+    w_uk, w_uv = torch.randn(H, 32, DC, generator=g), torch.randn(H, 32, DC, generator=g)
+    return q_nope.to(DEV, torch.bfloat16), q_pe.to(DEV, torch.bfloat16), w_uk.to(DEV), w_uv.to(DEV), 0.1
 
 
 def test_auto_logs_its_choice_once_per_cache(caplog):
@@ -164,7 +173,8 @@ def test_decode_backend_only_after_a_kernel_decode_step():
 
 @pytest.fixture
 def no_syncs(monkeypatch):
-    """Make every Python-level read of a tensor's value (a GPU->CPU sync on CUDA) raise."""
+    """Make every Python-level read of a tensor's value (a GPU->CPU sync on CUDA) raise; on a GPU also
+    torch's own sync detection (``set_sync_debug_mode("error")``)."""
 
     def sync(*args, **kwargs):
         raise AssertionError("a GPU->CPU sync in the decode step")
@@ -173,8 +183,12 @@ def no_syncs(monkeypatch):
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy"):
             monkeypatch.setattr(torch.Tensor, name, sync)
         monkeypatch.setattr(torch, "equal", sync)
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
 
-    return arm
+    yield arm
+    if DEV == "cuda":
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -183,21 +197,20 @@ def test_decode_step_makes_no_sync(no_syncs, backend, scheme):
     if backend == "triton" and scheme == "fp8":
         pytest.skip("no kernel layout")
     B, T = 2, 40
-    c, r = tokens(B, T)
+    c, r = tokens(B, T, device=DEV)
     cache = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=4, page_size=16, backend=backend)
     for i in range(2):
         cache.update(c[:, :, :-3], r[:, :, :-3], i)  # prefill: checked (syncs allowed)
-    mask = torch.ones(B, 1, 1, T - 2, dtype=torch.bool)
+    mask = torch.ones(B, 1, 1, T - 2, dtype=torch.bool, device=DEV)
     mask[1, ..., :5] = False  # left padding of row 1
-    args = (torch.randn(B, H, 1, 32).bfloat16(), torch.randn(B, H, 1, DR).bfloat16(), torch.randn(H, 32, DC),
-            torch.randn(H, 32, DC), 0.1, mask)  # fmt: skip
+    args = attend_args(B)
     no_syncs()
     for i in range(2):  # a decode step: every layer's write (tokens leave the window: quantised) and attention
         cache.update(c[:, :, -3:-2], r[:, :, -3:-2], i)
         layer = cache.decode_backend(i)
         assert (layer is not None) == (backend == "triton")
         if layer is not None:
-            out = layer.attend(*args)
+            out = layer.attend(*args, mask)
             assert out.shape == (B, 1, H, 32)
 
 
@@ -221,10 +234,9 @@ def test_validate_checks_every_token_only_when_asked():
 
 def test_a_mask_that_is_not_left_padding_gives_nan_or_raises():
     B, T = 2, 30
-    c, r = tokens(B, T)
-    args = (torch.randn(B, H, 1, 32).bfloat16(), torch.randn(B, H, 1, DR).bfloat16(), torch.randn(H, 32, DC),
-            torch.randn(H, 32, DC), 0.1)  # fmt: skip
-    mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool)
+    c, r = tokens(B, T, device=DEV)
+    args = attend_args(B)
+    mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool, device=DEV)
     mask[0, ..., 10] = False  # a hole: not a left padding
     for validate in (False, True):
         cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton",
