@@ -245,7 +245,7 @@ def test_config_errors():
 def test_cli_analyze(tmp_path):
     res = CliRunner().invoke(
         app, ["analyze", "--num-seqs", "2", "--seq-len", "64", "--layers", "0,3", "--probes", "2",
-              "--out", str(tmp_path), "--json"],
+              "--device", "cpu", "--out", str(tmp_path), "--json"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout[res.stdout.index("{") :])

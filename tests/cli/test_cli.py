@@ -1,6 +1,7 @@
 import json
 import math
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -74,7 +75,7 @@ def test_eval_ppl_equals_independent_references():
     seq = 96
     res = runner.invoke(
         app, ["eval", "ppl", "--scheme", "bf16,c2r4", "--num-seqs", "1", "--seq-len", str(seq), "--no-sink-recent",
-              "--dtype", "float64", "--json"],
+              "--dtype", "float64", "--device", "cpu", "--json"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     out = _json(res)
@@ -95,7 +96,7 @@ def test_eval_ppl_bytes_come_from_the_storage_of_this_model():
     seq, sink, recent = 64, 4, 8
     res = runner.invoke(
         app, ["eval", "ppl", "--scheme", "c4r4", "--num-seqs", "1", "--seq-len", str(seq), "--sink", str(sink),
-              "--recent", str(recent), "--dtype", "float64", "--json"],
+              "--recent", str(recent), "--dtype", "float64", "--device", "cpu", "--json"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     (r,) = _json(res)["results"]
@@ -112,10 +113,35 @@ def test_eval_ppl_bytes_come_from_the_storage_of_this_model():
 
 def test_eval_ppl_table_states_dtype_and_device():
     res = runner.invoke(
-        app, ["eval", "ppl", "--scheme", "bf16", "--num-seqs", "1", "--seq-len", "32"], env={"COLUMNS": "250"}
+        app,
+        ["eval", "ppl", "--scheme", "bf16", "--num-seqs", "1", "--seq-len", "32", "--device", "cpu"],
+        env={"COLUMNS": "250"},
     )
     assert res.exit_code == 0, res.output
     assert "in float32 on cpu" in res.output and "unquantised (float32)" in res.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eval_ppl_on_cuda_defaults_to_bfloat16_and_reads_the_kernel_storage():
+    seq, sink, recent = 256, 4, 16
+    res = runner.invoke(
+        app, ["eval", "ppl", "--scheme", "bf16,c4r4", "--num-seqs", "2", "--seq-len", str(seq), "--sink", str(sink),
+              "--recent", str(recent), "--json"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = _json(res)
+    assert (out["dtype"], out["device"]) == ("bfloat16", "cuda")
+    r = {x["scheme"]: x for x in out["results"]}
+    assert r["bf16"]["bytes_per_token"] == r["c4r4"]["unquantised_bytes_per_token"] == 2 * (128 + 64)
+    model, tok = quantmla.load(device="cuda")
+    assert model.dtype == torch.bfloat16
+    enable_latent_attention(model)
+    cache = QuantizedLatentCache(model.config, scheme="c4r4", sink=sink, recent=recent)
+    with torch.no_grad():
+        model(token_windows(tok, builtin_text("test"), seq, 1).cuda(), use_cache=True, **cache_kwargs(cache))
+    assert r["c4r4"]["cache_backend"] == ",".join(sorted(set(cache.backends_used())))
+    assert r["c4r4"]["bytes_per_token"] == cache.nbytes() / (model.config.num_hidden_layers * seq)
+    assert r["c4r4"]["bytes_per_token"] < r["bf16"]["bytes_per_token"] / 2
 
 
 def test_version():
