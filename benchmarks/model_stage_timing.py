@@ -16,7 +16,7 @@ import time
 import torch
 from shapes import v2_lite_model
 
-from quantmla.calibrate.model_level import LayerPaths, _Installed, _loss
+from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, model_loss
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.models import get_adapter
 from quantmla.quant.scheme import parse_scheme
@@ -48,7 +48,7 @@ def main() -> None:
                  RopeTransform(torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)))  # fmt: skip
         pairs = adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim)
         layers[idx] = LayerPaths(*ident, latent_gain(adapter, attn), pairs).to(args.device)
-    install = _Installed(modules, layers, parse_scheme("c4r4"), 64, 4, 128)
+    install = InstalledPaths(modules, layers, parse_scheme("c4r4"), 64, 4, 128)
     for p in model.parameters():
         p.requires_grad_(False)
     params = [p for lp in layers.values() for p in lp.parameters()]
@@ -58,7 +58,7 @@ def main() -> None:
     for _ in range(args.steps + 1):  # the first step warms up
         sync()
         t = time.perf_counter()
-        loss = _loss(model, x, install, "kl")
+        loss = model_loss(model, x, install, "kl")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -67,7 +67,7 @@ def main() -> None:
     sync()
     t = time.perf_counter()
     with torch.no_grad():
-        _loss(model, x, install, "kl")
+        model_loss(model, x, install, "kl")
     sync()
     val_batch = time.perf_counter() - t
     step = sorted(times[1:])[len(times[1:]) // 2]

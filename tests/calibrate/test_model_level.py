@@ -8,7 +8,7 @@ import torch
 
 from quantmla import enable_latent_attention
 from quantmla.calibrate import calibrate_model
-from quantmla.calibrate.model_level import LayerPaths, ModelLevelConfig, _Installed, refine
+from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, ModelLevelConfig, refine
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.eval.simulate import simulated_decode
 from quantmla.models import get_adapter
@@ -58,7 +58,7 @@ def test_transforms_in_the_original_basis_equal_the_fused_model(name):
     }  # fmt: skip
     ids = torch.randint(3, 256, (2, 40))
     with torch.no_grad():
-        with _Installed(modules, layers, scheme, 16, sink=2, recent=8):
+        with InstalledPaths(modules, layers, scheme, 16, sink=2, recent=8):
             ours = model(ids, use_cache=False).logits
         fused = fuse_transforms(
             copy.deepcopy(model), {i: t[0] for i, t in transforms.items()}, {i: t[1] for i, t in transforms.items()}

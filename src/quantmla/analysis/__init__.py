@@ -1,3 +1,3 @@
-from quantmla.analysis.analyze import AnalysisConfig, AnalysisReport, LayerReport, analyze, analyze_layer
+from quantmla.analysis.sensitivity import AnalysisConfig, AnalysisReport, LayerReport, analyze, analyze_layer
 
 __all__ = ["AnalysisConfig", "AnalysisReport", "LayerReport", "analyze", "analyze_layer"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from quantmla.analysis.analyze import AnalysisReport
+from quantmla.analysis.sensitivity import AnalysisReport
 
 
 def rows(report: AnalysisReport) -> list[dict]:

@@ -89,7 +89,7 @@ class TransformedDecodeCache(SimulatedDecodeCache):
         return self.paths.quantize(latent, rope_key, self.scheme, self.group_size)
 
 
-class _Installed:
+class InstalledPaths:
     """Each module attends through its layer's :class:`TransformedDecodeCache` while entered (re-enterable)."""
 
     def __init__(self, modules, layers: dict[int, LayerPaths], scheme, group_size, sink, recent) -> None:
@@ -107,7 +107,7 @@ class _Installed:
         return self._ctx.__exit__(*exc)
 
 
-def _loss(model, x: torch.Tensor, install: _Installed, objective: str) -> torch.Tensor:
+def model_loss(model, x: torch.Tensor, install: InstalledPaths, objective: str) -> torch.Tensor:
     """Per-token mean of KL(p_full || p_quantised) (``kl``) or of the next-token loss (``ce``) over ``x``."""
     with install:
         out = torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
@@ -122,7 +122,7 @@ def mean_model_loss(model, windows, install, cfg: ModelLevelConfig, device) -> f
     """The model-level objective (``cfg.objective``) per token over ``windows``, without gradients."""
     with torch.no_grad():
         parts = [
-            float(_loss(model, w.to(device), install, cfg.objective)) * len(w)
+            float(model_loss(model, w.to(device), install, cfg.objective)) * len(w)
             for w in torch.split(windows, cfg.batch_size)
         ]
     return sum(parts) / len(windows)
@@ -158,7 +158,7 @@ def refine(
     device = next(model.parameters()).device
     first = next(iter(starts.values()))
     layers = {idx: LayerPaths(*first[idx], gains[idx], pairs[idx]).to(device) for idx, _ in modules}
-    install = _Installed(modules, layers, scheme, group_size, sink, recent)
+    install = InstalledPaths(modules, layers, scheme, group_size, sink, recent)
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
@@ -181,7 +181,7 @@ def refine(
         bar = tqdm(range(1, cfg.steps + 1), desc=f"model-level {cfg.objective}", unit="step", disable=not progress)
         for step in bar:
             pick = torch.randint(0, len(train_w), (cfg.batch_size,), generator=g)
-            loss = _loss(model, train_w[pick].to(device), install, cfg.objective)
+            loss = model_loss(model, train_w[pick].to(device), install, cfg.objective)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

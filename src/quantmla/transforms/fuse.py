@@ -48,7 +48,7 @@ def original_basis(gain: torch.Tensor) -> ContentTransform:
 
     ``R = I``, ``S = 1`` is not the identity of the cache: it divides the gain out (the cache ``c / g``).
     """
-    g = gain.detach().double()
+    g = gain.detach().double().cpu()  # transforms live on the CPU in float64, like every other candidate
     if bool((g == 0).any()):
         zeros = torch.nonzero(g == 0).flatten().tolist()
         raise ValueError(f"the latent gain is 0 in channels {zeros[:8]}: no transform of the cached basis exists")

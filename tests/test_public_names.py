@@ -24,15 +24,9 @@ def test_import_calibrate_api_in_a_fresh_interpreter():
 
 
 PACKAGES = ["quantmla", *(m.name for m in pkgutil.walk_packages(quantmla.__path__, "quantmla.") if m.ispkg)]
-# known clash, owned outside calibrate: the function quantmla.analysis.analyze hides analysis/analyze.py
-# (strict: the mark must go when it is renamed)
-KNOWN = {"quantmla.analysis": "quantmla.analysis.analyze (function) hides the module analysis/analyze.py"}
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN[p])) if p in KNOWN else p
-             for p in PACKAGES],
-)  # fmt: skip
+@pytest.mark.parametrize("name", PACKAGES)
 def test_no_public_name_is_also_a_submodule(name):
     pkg = importlib.import_module(name)
     subs = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
