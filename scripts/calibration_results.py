@@ -3,6 +3,11 @@
 python scripts/calibration_results.py --out out/calib            # paper recipe, everything, one process
 python scripts/calibration_results.py --out out/p1 --runs bf16,rtn/c4r4  # a subset (run parts side by side)
 python scripts/calibration_results.py --out out/calib --merge out/p1 out/p2 ...  # one table and plot
+
+QuantMLA's layer stage split over processes (layers are independent), then the runs that reuse it:
+python scripts/calibration_results.py --out out/s0 --runs quantmla/c4r4 --layer-stages out/stages \
+    --layer-stage-only --stage-layers 0,1        # ... one process per subset; the parts are merged
+python scripts/calibration_results.py --out out/q --runs quantmla/c4r4 --layer-stages out/stages
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 import torch
 
 import quantmla
-from quantmla.calibrate import CalibrationConfig, LayerStage, calibrate_model
+from quantmla.calibrate import CalibrationConfig, LayerStage, calibrate_model, layer_stage, merge_layer_stages
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.models.loading import builtin_text
 from quantmla.transforms.fuse import RopeTransform
@@ -50,6 +55,8 @@ def main() -> None:
                     help="folder of QuantMLA layer stages: reused when there, saved when not")  # fmt: skip
     ap.add_argument("--layer-stage-only", action="store_true",
                     help="only compute and save the QuantMLA layer stages (into --layer-stages)")  # fmt: skip
+    ap.add_argument("--stage-layers", default=None,
+                    help="with --layer-stage-only: only these cache indices (comma list), saved as a part")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -91,7 +98,21 @@ def main() -> None:
         stage_file = None  # only QuantMLA has a layer stage to save or reuse
         if args.layer_stages is not None and method == "quantmla":
             stage_file = args.layer_stages / f"{scheme}-{'+'.join(paths)}.pt"
-        stage = torch.load(stage_file, weights_only=False) if stage_file is not None and stage_file.exists() else None
+        if args.stage_layers is not None:  # one part of the layer stage, merged when every part is there
+            if not (args.layer_stage_only and stage_file is not None):
+                raise SystemExit("--stage-layers needs --layer-stage-only and --layer-stages")
+            subset = [int(i) for i in args.stage_layers.split(",")]
+            t0 = time.perf_counter()
+            part = layer_stage(
+                base, tok, calib_text, layers=subset, scheme=scheme, method=method, steps=args.steps,
+                num_seqs=args.num_seqs, val_seqs=args.val_seqs, seq_len=args.seq_len, paths=paths, seed=args.seed,
+            )  # fmt: skip
+            times[f"{tag}:layer-stage:{args.stage_layers}"] = time.perf_counter() - t0
+            stage_file.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(part, stage_file.with_suffix(f".layers-{'_'.join(map(str, subset))}.pt"))
+            dump()
+            continue
+        stage = load_stage(stage_file) if stage_file is not None else None
         if stage is None and method == "quantmla" and paths == ("content",) and args.layer_stages is not None:
             full = args.layer_stages / f"{scheme}-content+rope.pt"
             if full.exists():  # the ablation: the same learned content transforms, no RoPE transform
@@ -135,6 +156,19 @@ def main() -> None:
             dump()  # after every run, so a run cut short keeps what it finished
     if not args.layer_stage_only:
         plot(layers, args.out / "layer_errors.png")
+
+
+def load_stage(stage_file: Path) -> LayerStage | None:
+    """The saved layer stage, or the merge of its saved parts (saved whole then); ``None`` if neither."""
+    if stage_file.exists():
+        return torch.load(stage_file, weights_only=False)
+    parts = sorted(stage_file.parent.glob(f"{stage_file.stem}.layers-*.pt"))
+    if not parts:
+        return None
+    stage = merge_layer_stages([torch.load(p, weights_only=False) for p in parts])
+    print(f"layer stage {stage_file.name}: merged {len(parts)} parts, layers {stage.layers}", flush=True)
+    torch.save(stage, stage_file)
+    return stage
 
 
 def content_only(full: LayerStage, key: tuple) -> LayerStage:

@@ -1,6 +1,24 @@
 """Calibrate, fuse and export: :func:`calibrate_model`, :func:`export` (format: :mod:`quantmla.export_format`)."""
 
-from quantmla.calibrate.api import CalibrationConfig, CalibrationReport, LayerStage, calibrate_model, export
+from quantmla.calibrate.api import (
+    CalibrationConfig,
+    CalibrationReport,
+    LayerStage,
+    calibrate_model,
+    export,
+    layer_stage,
+    merge_layer_stages,
+)
 from quantmla.export_format import METHODS, read_meta
 
-__all__ = ["METHODS", "CalibrationConfig", "CalibrationReport", "LayerStage", "calibrate_model", "export", "read_meta"]
+__all__ = [
+    "METHODS",
+    "CalibrationConfig",
+    "CalibrationReport",
+    "LayerStage",
+    "calibrate_model",
+    "export",
+    "layer_stage",
+    "merge_layer_stages",
+    "read_meta",
+]

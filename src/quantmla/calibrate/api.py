@@ -28,7 +28,7 @@ from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_conte
 
 logger = logging.getLogger(__name__)
 PATHS = ("content", "rope")
-LAYER_STAGE_VERSION = 2  # 2: the original-basis identity among every method's candidates (RTN = untouched)
+LAYER_STAGE_VERSION = 3  # 2: the original basis among every method's candidates; 3: one random stream per layer
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,35 @@ class LayerStage:
     chosen: dict[int, tuple[ContentTransform, RopeTransform]]
     candidates: dict[int, tuple[dict, dict]]
 
+    @property
+    def layers(self) -> list[int]:
+        """The cache indices this stage covers."""
+        return [r["layer"] for r in self.rows]
+
+
+def merge_layer_stages(parts: list[LayerStage]) -> LayerStage:
+    """One layer stage from stages of disjoint layer subsets (``layer_stage(..., layers=...)`` run apart).
+
+    Each layer's result depends only on the unfused model, the data, the config and its own random
+    stream, so the merge equals the stage computed in one run.
+    """
+    if not parts:
+        raise ValueError("no layer stages to merge")
+    first = parts[0]
+    for p in parts[1:]:
+        if p.key != first.key or p.data_sha256 != first.data_sha256:
+            raise ValueError("layer stages come from different configs or calibration data; they cannot be merged")
+    seen: dict[int, int] = {}
+    for i, p in enumerate(parts):
+        for idx in p.layers:
+            if idx in seen:
+                raise ValueError(f"layer {idx} is in stage {seen[idx]} and stage {i}; the parts must be disjoint")
+            seen[idx] = i
+    rows = sorted((r for p in parts for r in p.rows), key=lambda r: r["layer"])
+    chosen = dict(sorted((k, v) for p in parts for k, v in p.chosen.items()))
+    candidates = dict(sorted((k, v) for p in parts for k, v in p.candidates.items()))
+    return LayerStage(first.key, first.data_sha256, rows, chosen, candidates)
+
 
 @dataclass
 class CalibrationReport:
@@ -116,19 +145,9 @@ def calibrate_model(
     (unfused) model, data and config up to ``sink``, ``recent`` and the model-level fields; it skips
     the layer-local stage.
     """
-    from quantmla.eval.ppl import token_windows
-
     cfg = CalibrationConfig(**kwargs)
-    if isinstance(texts, torch.Tensor):  # token windows [N, T] given directly
-        need = cfg.num_seqs + cfg.val_seqs
-        if texts.dim() != 2 or texts.shape[0] < need:
-            raise ValueError(f"token windows must be [>= {need}, seq_len], got {tuple(texts.shape)}")
-        windows = texts[:need].long()
-    else:
-        text = texts if isinstance(texts, str) else "\n\n".join(texts)
-        windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs + cfg.val_seqs)
-    train_w, val_w = windows[: cfg.num_seqs], windows[cfg.num_seqs :]
-    report = CalibrationReport(cfg, hashlib.sha256(windows.numpy().tobytes()).hexdigest())
+    train_w, val_w, data_sha = _windows(tokenizer, texts, cfg)
+    report = CalibrationReport(cfg, data_sha)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
     adapter = get_adapter(model)
@@ -137,6 +156,8 @@ def calibrate_model(
         layer_stage = _layer_stage(model, adapter, modules, train_w, val_w, cfg, report.data_sha256, progress)
     elif layer_stage.key != cfg.layer_key() or layer_stage.data_sha256 != report.data_sha256:
         raise ValueError("layer_stage comes from a different config or calibration data; run without it")
+    elif missing := [idx for idx, _ in modules if idx not in layer_stage.chosen]:
+        raise ValueError(f"layer_stage lacks layers {missing}; merge the parts with merge_layer_stages first")
     report.layer_stage = layer_stage
     report.layers = [dict(r) for r in layer_stage.rows]
     if cfg.method == "rtn":
@@ -153,6 +174,44 @@ def calibrate_model(
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     return model, report
+
+
+def layer_stage(model: nn.Module, tokenizer, texts, layers=None, progress: bool = True, **kwargs) -> LayerStage:
+    """QuantMLA's layer-local stage alone, for ``layers`` (cache indices; ``None``: all).
+
+    The layers are independent (each sees the unfused model's inputs and has its own random stream),
+    so a large model's stage can be split across processes or GPUs and joined with
+    :func:`merge_layer_stages`; ``calibrate_model(..., layer_stage=merged)`` then runs the rest. The
+    model is not changed (latent attention is enabled on it if it was not).
+    """
+    cfg = CalibrationConfig(**kwargs)
+    train_w, val_w, data_sha = _windows(tokenizer, texts, cfg)
+    if not is_latent_attention_enabled(model):
+        enable_latent_attention(model)
+    adapter = get_adapter(model)
+    modules = list(adapter.attention_modules(model))
+    if layers is not None:
+        valid = [idx for idx, _ in modules]
+        bad = [i for i in layers if i not in valid]
+        if bad:
+            raise ValueError(f"layers {bad} are not cache indices of this model; valid: {valid}")
+        modules = [(idx, attn) for idx, attn in modules if idx in set(layers)]
+    return _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress)
+
+
+def _windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Training and held-out token windows, and the sha256 of both."""
+    from quantmla.eval.ppl import token_windows
+
+    need = cfg.num_seqs + cfg.val_seqs
+    if isinstance(texts, torch.Tensor):  # token windows [N, T] given directly
+        if texts.dim() != 2 or texts.shape[0] < need:
+            raise ValueError(f"token windows must be [>= {need}, seq_len], got {tuple(texts.shape)}")
+        windows = texts[:need].long()
+    else:
+        text = texts if isinstance(texts, str) else "\n\n".join(texts)
+        windows = token_windows(tokenizer, text, cfg.seq_len, need)
+    return windows[: cfg.num_seqs], windows[cfg.num_seqs :], hashlib.sha256(windows.numpy().tobytes()).hexdigest()
 
 
 def _final_layer_errors(model, adapter, modules, val_w, cfg, rows) -> None:
@@ -176,10 +235,9 @@ def _final_layer_errors(model, adapter, modules, val_w, cfg, rows) -> None:
 def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress) -> LayerStage:
     scheme = parse_scheme(cfg.scheme)
     learn_cfg = LearnConfig(cfg.steps, cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
     rows, chosen, candidates = [], {}, {}
     for idx, attn in tqdm(modules, desc=f"calibrate {cfg.method} {cfg.scheme}", unit="layer", disable=not progress):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)  # per layer: subsets give the same draws
         train = collect(model, idx, train_w, cfg.batch_size)
         val = collect(model, idx, val_w, cfg.batch_size)
         row: dict = {"layer": idx}

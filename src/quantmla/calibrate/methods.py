@@ -194,12 +194,17 @@ def content_transform(
     info = {"val_before": vals[ORIGINAL], "init": init, "candidate_val": vals}
     if method != "quantmla":
         return cands[init], {**info, "val_after": vals[init]}
-    p = ContentParam(cands[init].rotation, cands[init].scales)
+    dev = train[0].c.device  # learn where the batches are (CPU parameters would cost a round trip a step)
+    p = ContentParam(cands[init].rotation, cands[init].scales).to(dev)
+    g_dev = g.to(dev)
     v, step = learn(
-        p, lambda b: content_loss(b, g, p.rotation(), p.scales(), fmt, group_size), train, val, cfg, vals[init]
+        p, lambda b: content_loss(b, g_dev, p.rotation(), p.scales(), fmt, group_size), train, val, cfg, vals[init]
     )
     info.update(val_after=v, best_step=step, candidates=cands)
-    return (cands[init] if step == 0 else p.transform()), info
+    if step == 0:
+        return cands[init], info
+    t = p.transform()
+    return ContentTransform(t.rotation.cpu(), t.scales.cpu()), info
 
 
 def rope_transform(
@@ -233,13 +238,18 @@ def rope_transform(
     info = {"val_before": vals[ORIGINAL], "init": init, "candidate_val": vals}
     if method != "quantmla":
         return cands[init], {**info, "val_after": vals[init]}
-    p = RopeParam(n, pairs)
+    dev = train[0].r.device
+    pairs_dev = pairs.to(dev)
+    p = RopeParam(n, pairs_dev).to(dev)
     p.set_(cands[init])
 
     def live(b):
         t = p.transform()
-        return rope_loss(b, t.matrix(pairs), t.inverse_matrix(pairs), fmt, group_size)
+        return rope_loss(b, t.matrix(pairs_dev), t.inverse_matrix(pairs_dev), fmt, group_size)
 
     v, step = learn(p, live, train, val, cfg, vals[init])
     info.update(val_after=v, best_step=step, candidates=cands)
-    return (cands[init] if step == 0 else p.snapshot()), info
+    if step == 0:
+        return cands[init], info
+    t = p.snapshot()
+    return RopeTransform(t.angles.cpu(), t.log_scales.cpu()), info

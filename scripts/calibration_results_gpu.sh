@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# QuantMLA's rows of docs/calibration-results.json on one GPU machine, in parallel processes:
+# the layer stage one process per (scheme, layer), then the model stage and evaluation per
+# (scheme, windows) and the content-path ablation. Parts already in $STAGES are not recomputed, so
+# a run cut short resumes. The baselines come from:
+#   python scripts/calibration_results.py --out out/p1 \
+#       --runs bf16,rtn/c4r4,smoothquant/c4r4,quarot/c4r4,rtn/c2r4,smoothquant/c2r4,quarot/c2r4
+# and the table from: python scripts/calibration_results.py --out out/calib --merge out/p1 $WORK/q/*
+# usage: scripts/calibration_results_gpu.sh WORK_DIR [LAYER_STAGE_SECONDS]
+set -u
+WORK=${1:?usage: $0 WORK_DIR [LAYER_STAGE_SECONDS]}
+LIMIT=${2:-400}
+STAGES=$WORK/stages
+export PYTHONPATH=${PYTHONPATH:-src} OMP_NUM_THREADS=1
+mkdir -p "$STAGES" "$WORK/logs"
+layers=$(python -c "import quantmla; m, _ = quantmla.load(device='cpu'); print(m.config.num_hidden_layers)" 2>/dev/null)
+t0=$(date +%s)
+for s in c4r4 c2r4; do
+  [ -f "$STAGES/$s-content+rope.pt" ] && continue
+  for l in $(seq 0 $((layers - 1))); do
+    [ -f "$STAGES/$s-content+rope.layers-$l.pt" ] && continue
+    timeout "$LIMIT" python scripts/calibration_results.py --out "$WORK/ls/$s-$l" --runs "quantmla/$s" \
+      --layer-stages "$STAGES" --layer-stage-only --stage-layers "$l" > "$WORK/logs/ls-$s-$l.log" 2>&1 &
+  done
+done
+wait
+echo "layer stages: $(($(date +%s) - t0)) s"
+n=$(ls "$STAGES"/*.layers-*.pt 2>/dev/null | wc -l)
+for s in c4r4 c2r4; do
+  [ -f "$STAGES/$s-content+rope.pt" ] && continue
+  [ "$n" -ge $((2 * layers)) ] || { echo "layer stage incomplete ($n of $((2 * layers)) parts); run again"; exit 3; }
+  python - "$STAGES/$s-content+rope" <<'PY'
+import sys, torch
+from pathlib import Path
+from quantmla.calibrate import merge_layer_stages
+stem = Path(sys.argv[1])
+parts = sorted(stem.parent.glob(stem.name + ".layers-*.pt"))
+torch.save(merge_layer_stages([torch.load(p, weights_only=False) for p in parts]), str(stem) + ".pt")
+PY
+done
+t1=$(date +%s)
+for s in c4r4 c2r4; do
+  for w in with without; do
+    python scripts/calibration_results.py --out "$WORK/q/$s-$w" --runs "quantmla/$s" --layer-stages "$STAGES" \
+      --windows "$w" > "$WORK/logs/q-$s-$w.log" 2>&1 &
+  done
+done
+python scripts/calibration_results.py --out "$WORK/q/ablation" --runs quantmla/c4r4/content \
+  --layer-stages "$STAGES" --windows with > "$WORK/logs/q-ablation.log" 2>&1 &
+wait
+echo "model stages and evaluation: $(($(date +%s) - t1)) s"
+grep -h '^{' "$WORK"/logs/q-*.log
