@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "builtin:tiny-mla"
 _BUILTINS = {"tiny-mla": "tiny-mla"}
+#: builtins derived from a bundled one: name -> (base, kv_lora_rank, seed of the orthogonal embedding)
+_DERIVED = {"tiny-mla-576": ("tiny-mla", 512, 0)}
+BUILTIN_NAMES = (*_BUILTINS, *_DERIVED)
 _CONFIG_OVERRIDES = {"kimi_k2": DeepseekV3Config}
 #: model dtypes by name; ``auto`` is bfloat16 on CUDA and float32 on CPU (see :func:`resolve_dtype`)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -75,9 +78,46 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def builtin_path(name: str) -> Path:
+    """The directory of a builtin model; a derived one (:data:`_DERIVED`) is built on first use."""
+    if name in _DERIVED:
+        return _derived_path(name)
     if name not in _BUILTINS:
-        raise ValueError(f"unknown builtin model {name!r}; valid: {', '.join('builtin:' + b for b in _BUILTINS)}")
+        raise ValueError(f"unknown builtin model {name!r}; valid: {', '.join('builtin:' + b for b in BUILTIN_NAMES)}")
     return Path(str(resources.files("quantmla") / "assets" / _BUILTINS[name]))
+
+
+def _derived_path(name: str) -> Path:
+    """``builtin:tiny-mla-576``: the bundled model with its latent embedded to 512 channels (exact, float32),
+    written once under ``$QUANTMLA_CACHE`` (default ``~/.cache/quantmla``)."""
+    import os
+    import shutil
+    import tempfile
+
+    from quantmla.models.embed import embed_latent
+
+    base, rank, seed = _DERIVED[name]
+    root = Path(os.environ.get("QUANTMLA_CACHE", Path.home() / ".cache" / "quantmla")).expanduser()
+    out = root / f"{name}-v2"
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    logger.info("building builtin:%s (builtin:%s, latent embedded to %d channels) in %s", name, base, rank, out)
+    src = builtin_path(base)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
+    wide = embed_latent(model, rank, seed=seed).to(torch.float32)
+    wide.config.dtype = "float32"
+    # an untied output layer (the same values): vLLM's DeepSeek models do not tie it to the embedding
+    wide.config.tie_word_embeddings = False
+    wide.lm_head.weight = torch.nn.Parameter(wide.get_input_embeddings().weight.detach().clone())
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
+    wide.save_pretrained(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / f, tmp / f)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -95,7 +135,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    builtins = ", ".join("builtin:" + b for b in _BUILTINS)
+    builtins = ", ".join("builtin:" + b for b in BUILTIN_NAMES)
     try:  # a hub id: only the local Hugging Face cache is consulted
         return Path(snapshot_download(s, local_files_only=True))
     except HFValidationError:

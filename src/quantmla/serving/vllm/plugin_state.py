@@ -1,0 +1,52 @@
+"""The plugin's view of the running vLLM engine: the selection (resolved once, logged once) and the
+model's MLA geometry. Imports vLLM lazily."""
+
+from __future__ import annotations
+
+import logging
+
+from quantmla.serving.vllm.selection import RECENT, SINK, Selection, select
+
+logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
+_RESOLVED: dict[int, Selection | None] = {}
+
+
+def _config():
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
+def current_selection() -> Selection | None:
+    """The scheme the running engine serves, or ``None`` (plugin off). Logged once per engine config."""
+    cfg = _config()
+    key = id(cfg) if cfg is not None else 0
+    if key in _RESOLVED:
+        return _RESOLVED[key]
+    model = getattr(getattr(cfg, "model_config", None), "model", None)
+    sel = select(getattr(cfg, "additional_config", None), model)
+    if cfg is None and sel is None and _RESOLVED:  # no config in scope: what the engine resolved before
+        return next(reversed(_RESOLVED.values()))
+    _RESOLVED[key] = sel
+    if cfg is not None:
+        if sel is None:
+            logger.info("quantmla plugin: not asked for (no additional_config['quantmla'], QUANTMLA_SCHEME or"
+                        " quantmla.json); vLLM's own MLA backend runs unchanged")  # fmt: skip
+        else:
+            logger.info("quantmla plugin: serving the MLA cache as %s, group %d (from %s); sink %d + recent %d"
+                        " tokens unquantised", sel.scheme, sel.group_size, sel.source, SINK, RECENT)  # fmt: skip
+            exported = sel.windows
+            if exported is not None and tuple(exported) != (SINK, RECENT):
+                logger.warning("quantmla plugin: the export was calibrated for sink %d + recent %d; inside vLLM every"
+                               " token is read as stored (the windows are not implemented in the engine yet)",
+                               *exported)  # fmt: skip
+    return sel
+
+
+def mla_geometry() -> tuple[int, int]:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of the model being served."""
+    cfg = _config()
+    hf = getattr(getattr(cfg, "model_config", None), "hf_text_config", None)
+    if hf is None or not hasattr(hf, "kv_lora_rank"):
+        return 512, 64
+    return int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
