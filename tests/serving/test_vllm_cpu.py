@@ -167,3 +167,13 @@ def test_a_preempted_run_gives_the_same_outputs(model_dir):
             for x, y in zip(tight["tokens"], free["tokens"], strict=True)]  # fmt: skip
     print(f"preemptions {tight['preemptions']}; tokens equal up to {same} of 300")
     assert min(same) >= 32, same
+
+
+def test_an_unsupported_vllm_is_one_clear_error_when_asked_for(monkeypatch):
+    from quantmla.serving.vllm.compat import check_supported
+
+    assert check_supported(asked=True) == "cpu"
+    monkeypatch.setattr(vllm, "__version__", "0.30.1")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32 on cpu; this is vLLM 0\.30\.1 on cpu"):
+        check_supported(asked=True)
+    assert check_supported(asked=False) is None  # not asked for: vLLM runs as without the plugin

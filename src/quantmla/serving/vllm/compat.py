@@ -6,8 +6,8 @@ import logging
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 
-#: (vLLM major.minor, platform) pairs the plugin is built and tested against
-SUPPORTED = (("0.32", "cpu"), ("0.26", "cuda"))
+#: (vLLM major.minor, platform) pairs the plugin is built and tested against (vLLM 0.26 on CUDA: not yet)
+SUPPORTED = (("0.32", "cpu"),)
 
 
 def _describe() -> str:
@@ -27,5 +27,6 @@ def check_supported(asked: bool) -> str | None:
     msg = f"quantmla's vLLM plugin supports {_describe()}; this is vLLM {vllm.__version__} on {platform}"
     if asked:
         raise RuntimeError(msg)
-    logger.debug("%s: plugin inactive", msg)
+    # additional_config and quantmla.json are not visible yet when plugins load: say once that they would be ignored
+    logger.warning("%s: the plugin stays inactive (an additional_config['quantmla'] or quantmla.json is ignored)", msg)
     return None
