@@ -86,8 +86,8 @@ class RecordLayout:
         ``valid [...]`` (bool): tokens whose bytes are not to be trusted (unwritten slots) read as 0.
         """
         s = self.cache_scheme
-        c = _decode(self, "c", s.content, records, self.kv_lora_rank, dtype, valid)
-        r = _decode(self, "r", s.rope, records, self.rope_dim, dtype, valid)
+        c = _decode(self, "c", s.content, records, dtype, valid)
+        r = _decode(self, "r", s.rope, records, dtype, valid)
         return c, r
 
 
@@ -123,7 +123,7 @@ def _encode(path: str, fmt: PathFormat, x: torch.Tensor, group: int, check: bool
     return [codes, _bytes(sm)]
 
 
-def _decode(lay: RecordLayout, path: str, fmt: PathFormat, rec: torch.Tensor, dim: int, dtype, valid) -> torch.Tensor:
+def _decode(lay: RecordLayout, path: str, fmt: PathFormat, rec: torch.Tensor, dtype, valid) -> torch.Tensor:
     lead = rec.shape[:-1]
     if fmt.kind == "bf16":
         x = lay.view(rec, f"{path}_bf16").contiguous().view(torch.bfloat16).to(dtype)
