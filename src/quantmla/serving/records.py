@@ -9,9 +9,15 @@ A record holds both cached paths of one token in the cache scheme's format, fiel
   are packed group-planar as in the decode kernels' pages (:func:`quantmla.kernels.layout.pack_words`),
   8-bit codes one per byte. C4R4: 256 + 32 + 32 + 4 = 324 bytes, C2R4 196, C8R8 612.
 
-Every field starts at a multiple of 4 bytes and records are a multiple of 4 bytes, so a page of
-records can be viewed field by field as the kernels' typed words. The values are exactly those of
-:class:`quantmla.cache.QuantizedLatentCache` (same quantisers, per token).
+Every field starts at a multiple of 4 bytes and records are a multiple of 4 bytes. The values are
+exactly those of :class:`quantmla.cache.QuantizedLatentCache` (same quantisers, per token).
+
+**Pages.** An engine's page of ``block_size`` tokens (``[block_size, record_bytes]`` bytes, vLLM's
+shape) holds its records *field-major*: each field's bytes for all the page's tokens back to back,
+then the next field (:meth:`RecordLayout.page_view`). Inside a page every field is then laid out as
+the decode kernels' own arrays (:class:`quantmla.kernels.layout.PagedLatentStore`), 16-byte aligned at
+a block size of 64, so the kernels read a page in place with only the page stride changed. With one
+field (``bf16``) the page is the token records themselves: vLLM's own layout.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class RecordLayout:
             raise ValueError(f"scheme {self.scheme!r} has no record layout; valid: {', '.join(RECORD_SCHEMES)}")
         object.__setattr__(self, "scheme", s.name)
         sizes: list[tuple[str, int]] = []
-        for path, fmt, dim in (("c", s.content, self.kv_lora_rank), ("r", s.rope, self.rope_dim)):
+        if s.content.kind == s.rope.kind == "bf16":  # one field [c | k^R]: vLLM's own token layout
+            sizes = [("bf16", 2 * (self.kv_lora_rank + self.rope_dim))]
+        for path, fmt, dim in (("c", s.content, self.kv_lora_rank), ("r", s.rope, self.rope_dim)) * (not sizes):
             sizes += _path_fields(path, fmt, dim, self.group_size)
         fields, off = {}, 0
         for name, n in sizes:
@@ -68,15 +76,48 @@ class RecordLayout:
         off, n = self.fields[name]
         return records[..., off : off + n]
 
+    def _parts(self, c: torch.Tensor, r: torch.Tensor, check: bool) -> list[torch.Tensor]:
+        s = self.cache_scheme
+        if "bf16" in self.fields:
+            return [_bytes(torch.cat([c, r], dim=-1).to(torch.bfloat16))]
+        parts = _encode("c", s.content, c, self.group_size, check) + _encode("r", s.rope, r, self.group_size, check)
+        return [p.reshape(c.shape[0], -1) for p in parts]
+
     def pack(self, c: torch.Tensor, r: torch.Tensor, check: bool = False) -> torch.Tensor:
         """Records ``[N, record_bytes]`` (uint8) of tokens ``c [N, d_c]``, ``r [N, d_r]``."""
-        s = self.cache_scheme
-        parts = _encode("c", s.content, c, self.group_size, check) + _encode("r", s.rope, r, self.group_size, check)
-        return torch.cat([p.reshape(c.shape[0], -1) for p in parts], dim=-1)
+        return torch.cat(self._parts(c, r, check), dim=-1)
 
-    def write(self, records: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
-        """Store tokens at flat ``slots`` of ``records [num_slots, record_bytes]`` (one quantisation)."""
-        records[slots] = self.pack(c, r)
+    def page_view(self, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """Field ``name`` of field-major ``pages [..., block_size, record_bytes]`` (uint8, each page
+        contiguous) as a view ``[..., block_size, nbytes]``."""
+        off, n = self.fields[name]
+        bs = pages.shape[-2]
+        return pages.flatten(-2)[..., bs * off : bs * (off + n)].unflatten(-1, (bs, n))
+
+    def write_pages(self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
+        """Store tokens ``c [N, d_c]``, ``r [N, d_r]`` at flat ``slots`` (``block * block_size + offset``)
+        of field-major ``pages [num_blocks, block_size, record_bytes]``, quantised once."""
+        bs = pages.shape[1]
+        blk, off = slots // bs, slots % bs
+        for name, part in zip(self.fields, self._parts(c, r, False), strict=True):
+            self.page_view(pages, name)[blk, off] = part
+
+    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Token records ``[..., block_size, record_bytes]`` of field-major ``pages`` (a copy)."""
+        return torch.cat([self.page_view(pages, name) for name in self.fields], dim=-1)
+
+    def read_slots(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Token records ``[N, record_bytes]`` at flat ``slots`` of field-major ``pages``."""
+        bs = pages.shape[1]
+        blk, off = slots // bs, slots % bs
+        return torch.cat([self.page_view(pages, name)[blk, off] for name in self.fields], dim=-1)
+
+    def to_pages(self, records: torch.Tensor) -> torch.Tensor:
+        """Field-major pages ``[num_blocks, block_size, record_bytes]`` of token ``records`` of the same
+        shape (the inverse of :meth:`read_pages`)."""
+        nb, bs, _ = records.shape
+        flat = [self.view(records, name).reshape(nb, -1) for name in self.fields]
+        return torch.cat(flat, dim=-1).view(nb, bs, self.record_bytes)
 
     def unpack(
         self, records: torch.Tensor, dtype: torch.dtype = torch.float32, valid: torch.Tensor | None = None
@@ -86,6 +127,10 @@ class RecordLayout:
         ``valid [...]`` (bool): tokens whose bytes are not to be trusted (unwritten slots) read as 0.
         """
         s = self.cache_scheme
+        if "bf16" in self.fields:
+            x = self.view(records, "bf16").contiguous().view(torch.bfloat16).to(dtype)
+            x = x if valid is None else x.masked_fill_(~valid[..., None], 0.0)
+            return x[..., : self.kv_lora_rank], x[..., self.kv_lora_rank :]
         c = _decode(self, "c", s.content, records, dtype, valid)
         r = _decode(self, "r", s.rope, records, dtype, valid)
         return c, r

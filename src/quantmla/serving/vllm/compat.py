@@ -6,8 +6,8 @@ import logging
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 
-#: (vLLM major.minor, platform) pairs the plugin is built and tested against (vLLM 0.26 on CUDA: not yet)
-SUPPORTED = (("0.32", "cpu"),)
+#: (vLLM major.minor, platform) pairs the plugin is built and tested against (CUDA: sm_90, FLASH_ATTN_MLA)
+SUPPORTED = (("0.32", "cpu"), ("0.26", "cuda"))
 
 
 def _describe() -> str:

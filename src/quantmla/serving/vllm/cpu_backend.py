@@ -6,7 +6,8 @@ plugin overrides that registration. While the plugin is not asked for (see
 spec, same kernels, same results. When it is asked for:
 
 * the page holds one :class:`~quantmla.serving.records.RecordLayout` record a token (uint8, e.g.
-  324 bytes for C4R4 at 512 + 64), so vLLM sizes its blocks from the record;
+  324 bytes for C4R4 at 512 + 64, stored field-major inside the page), so vLLM sizes its blocks from
+  the record;
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots (one quantisation);
 * ``forward_mqa`` (decode) gathers the pages of the batch and attends in torch
   (:func:`~quantmla.serving.paged_decode.paged_decode`);
@@ -62,7 +63,7 @@ class QuantMLACPUImpl(CPUMLAImpl):
         c, r = kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)
         if not bool(valid.all()):
             slots, c, r = slots[valid], c[valid], r[valid]
-        self.layout.write(kv_cache.view(-1, self.layout.record_bytes), slots, c, r)
+        self.layout.write_pages(kv_cache, slots, c, r)
         return None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,

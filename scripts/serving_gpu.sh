@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The vLLM 0.26 serving runs on the H200 (device tool), from the tree: PYTHONPATH=src, vLLM's wheels in /tmp/site.
+#
+#   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (wheel-bundle parts in
+#                                              /tmp/wheel-parts) and quantmla's vllm.general_plugins entry point
+#   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (bundled model, BF16)
+#   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
+#   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
+#                                              schemes S (comma list) at budgets B (MiB, comma list)
+# Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
+set -euo pipefail
+export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+out=${OUT:-out}/serving-gpu
+mkdir -p "$out"
+[ -f /tmp/serving.json ] && [ ! -f "$out/serving.json" ] && cp /tmp/serving.json "$out/serving.json"
+case "${1:-}" in
+setup)
+  bash .wheels/install.sh
+  d=/tmp/site/quantmla_tree-0.dist-info
+  mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: quantmla-tree\nVersion: 0\n' > "$d/METADATA"
+  printf '[vllm.general_plugins]\nquantmla = quantmla.serving.vllm:register\n' > "$d/entry_points.txt"
+  python -c "import vllm; print('vllm', vllm.__version__)";;
+test)
+  python -m pytest -q -s tests/serving/test_vllm_gpu.py -p no:cacheprovider;;
+decode)
+  python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20;;
+pressure)
+  python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
+    --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs 256;;
+*) sed -n '2,10p' "$0"; exit 2;;
+esac
+cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true
