@@ -144,7 +144,7 @@ def decode_step(args) -> list[dict]:
         row = {"B": b, "L": length, "H": h, "vllm_cpu_mla_ms": timed(theirs)}
         for scheme in ("bf16", "c4r4", "c2r4"):
             lay = RecordLayout(scheme)
-            rec = lay.pack(c, r).reshape(b * pages, bs, -1)
+            rec = lay.to_pages(lay.pack(c, r).reshape(b * pages, bs, -1))  # field-major pages
             ours = functools.partial(paged_decode, q[..., :512], q[..., 512:], rec, lay, table, lens, 0.1,
                                      lengths=[length] * b)  # fmt: skip
             row[f"{scheme}_ms"] = timed(ours)

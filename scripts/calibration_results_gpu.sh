@@ -29,14 +29,9 @@ n=$(ls "$STAGES"/*.layers-*.pt 2>/dev/null | wc -l)
 for s in c4r4 c2r4; do
   [ -f "$STAGES/$s-content+rope.pt" ] && continue
   [ "$n" -ge $((2 * layers)) ] || { echo "layer stage incomplete ($n of $((2 * layers)) parts); run again"; exit 3; }
-  python - "$STAGES/$s-content+rope" <<'PY'
-import sys, torch
-from pathlib import Path
-from quantmla.calibrate import merge_layer_stages
-stem = Path(sys.argv[1])
-parts = sorted(stem.parent.glob(stem.name + ".layers-*.pt"))
-torch.save(merge_layer_stages([torch.load(p, weights_only=False) for p in parts]), str(stem) + ".pt")
-PY
+  # merged once here, before the parallel model-stage runs below (each would otherwise merge and save it)
+  python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from calibration_results import \
+load_stage; load_stage(Path(sys.argv[1]))" "$STAGES/$s-content+rope.pt"
 done
 t1=$(date +%s)
 for s in c4r4 c2r4; do

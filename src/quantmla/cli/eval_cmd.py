@@ -108,3 +108,82 @@ def ppl(
         f"{results[0].sequences} x {seq_len} tokens"
     )
     Console().print(results_table(title, results))
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{what} {text!r}: give a comma list of integers") from None
+
+
+@app.command()
+def niah(
+    model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
+    scheme: str = typer.Option("bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated (e.g. bf16,c4r4)."),
+    tasks: str = typer.Option("niah-1,niah-2,niah-3", help="Tasks: niah-1, niah-2, niah-3, niah-mk."),
+    lengths: str = typer.Option("1024,2048,4096", help="Context lengths in tokens, comma list."),
+    depths: str = typer.Option("0,25,50,75,100", help="Needle depths in percent, comma list."),
+    num_examples: int = typer.Option(1, "-n", "--num-examples", min=1, help="Examples per cell."),
+    seed: int = typer.Option(0, help="Seed of the generated examples."),
+    sink: int = typer.Option(None, min=0, help="Leading tokens kept unquantised (default: quantmla.json, else 4)."),
+    recent: int = typer.Option(None, min=0, help="Recent tokens kept unquantised (default: quantmla.json, else 128)."),
+    group_size: int = typer.Option(None, min=1, help="Channels per group (default: quantmla.json, else 64)."),
+    text: Path = typer.Option(None, "--text", help="Haystack text for niah-2/3/mk (default: the bundled test split)."),
+    out: Path = typer.Option(None, "--out", help="Write niah.json and one heat map PNG per scheme here."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
+    from quantmla.eval.niah import NiahConfig, accuracy, heatmap, run_niah
+    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
+    from quantmla.quant.scheme import parse_scheme
+
+    with user_errors():
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        src = inspect_model(model)
+        meta = src.meta or {}
+        names = [s.strip() for s in scheme.split(",") if s.strip()]
+        if not names:
+            raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
+        names = [parse_scheme(s).name for s in names]
+        cfg = NiahConfig(
+            tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), lengths=_ints(lengths, "lengths"),
+            depths=_ints(depths, "depths"), num_examples=num_examples, seed=seed,
+            group_size=meta.get("group_size", 64) if group_size is None else group_size,
+            sink=meta.get("sink", 4) if sink is None else sink,
+            recent=meta.get("recent", 128) if recent is None else recent,
+        )  # fmt: skip
+        limit = getattr(src.config, "max_position_embeddings", None)
+        if limit is not None and max(cfg.lengths) > limit:
+            raise ValueError(f"--lengths up to {max(cfg.lengths)} exceed the model's max_position_embeddings={limit}")
+        body = load_text(text, None, "test", "text")
+        m, tok = load(src, dtype=torch_dtype, device=dev)
+        rows = run_niah(m, tok, body, names, cfg, progress=not as_json)
+    result = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "config": cfg.__dict__,
+              "accuracy": {s: accuracy(rows, scheme=s) for s in names},
+              "rows": [r.to_dict() for r in rows]}  # fmt: skip
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "niah.json").write_text(json.dumps(result, indent=1))
+        for s in names:
+            heatmap(rows, s, out / f"niah-{s}.png")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    t = Table(title=f"{model} in {dtype_name(torch_dtype)} on {dev}: NIAH exact match, {cfg.num_examples} per cell, "
+              f"depths {','.join(map(str, cfg.depths))}%, sink {cfg.sink} + recent {cfg.recent}")  # fmt: skip
+    t.add_column("scheme")
+    t.add_column("task")
+    for n in cfg.lengths:
+        t.add_column(f"{n}", justify="right")
+    t.add_column("all", justify="right")
+    for s in names:
+        for task in cfg.tasks:
+            cells = [f"{100 * accuracy(rows, scheme=s, task=task, length=n):.0f}%" for n in cfg.lengths]
+            t.add_row(s, task, *cells, f"{100 * accuracy(rows, scheme=s, task=task):.0f}%")
+    Console().print(t)
+    if out is not None:
+        Console().print(f"wrote {out / 'niah.json'} and {', '.join(f'niah-{s}.png' for s in names)}")

@@ -13,7 +13,7 @@ spec, same kernels, same results. When it is asked for:
   (:func:`~quantmla.serving.paged_decode.paged_decode`);
 * prefill attends its own tokens *as stored* (vLLM's CPU MLA prefill does not read the cache: it has
   no chunked prefill or prefix caching for MLA, so the plugin hands it the tokens read back from
-  their records). Every position then sees exactly what a decode step at that position would see
+  the slots just written). Every position then sees exactly what a decode step at that position would see
   (:func:`quantmla.eval.simulate.simulated_decode` computes the same), and a request preempted and
   recomputed continues exactly as it would have.
 """
@@ -68,10 +68,11 @@ class QuantMLACPUImpl(CPUMLAImpl):
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None):  # fmt: skip
-        if self.layout is not None:  # the prompt's own tokens as the cache holds them
-            shape, dt = k_pe.shape, kv_c_normed.dtype
-            c, r = self.layout.unpack(self.layout.pack(kv_c_normed, k_pe.reshape(shape[0], -1)), torch.float32)
-            kv_c_normed, k_pe = c.to(dt), r.to(dt).reshape(shape)
+        if self.layout is not None:  # the prompt's own tokens as the cache holds them: read back from their slots
+            n0 = attn_metadata.num_decode_tokens
+            slots = attn_metadata.slot_mapping[n0 : n0 + kv_c_normed.shape[0]].long()
+            c, r = self.layout.unpack(self.layout.read_slots(kv_c_and_k_pe_cache, slots), torch.float32)
+            kv_c_normed, k_pe = c.to(kv_c_normed.dtype), r.to(k_pe.dtype).reshape(k_pe.shape)
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                                    output_scale)  # fmt: skip
 

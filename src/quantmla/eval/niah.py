@@ -1,0 +1,215 @@
+"""Needle-in-a-haystack retrieval through the quantised cache (RULER's S-NIAH style), offline.
+
+Every example is generated from a seed: a haystack of ``length`` tokens with one needle sentence
+("One of the special magic numbers for KEY is: VALUE.") at a relative ``depth``, then the question.
+Tasks:
+
+* ``niah-1``: a repeated-noise haystack, numeric value;
+* ``niah-2``: a corpus-text haystack (the bundled test split by default), numeric value;
+* ``niah-3``: a corpus haystack, UUID-like value;
+* ``niah-mk``: like ``niah-2`` with three needles of different keys; one is asked.
+
+The answer is generated greedily through :class:`~quantmla.cache.QuantizedLatentCache` as decode
+sees it: the prompt but its last token is prefilled into the cache, then the last prompt token and
+every answer token are decode steps, so even the first answer token attends the stored (quantised)
+cache, with the sink and recent windows unquantised. An example counts as retrieved when the
+generated text contains the value (exact match of the value string).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+TASKS = ("niah-1", "niah-2", "niah-3", "niah-mk")
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEYS = ("amber-falcon", "silent-river", "copper-moth", "north-gate", "blue-lantern", "iron-orchid", "quiet-harbor",
+        "paper-tiger", "violet-comet", "stone-garden")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NiahConfig:
+    """What to run: tasks x lengths (tokens) x depths (percent), ``num_examples`` per cell."""
+
+    tasks: tuple[str, ...] = ("niah-1", "niah-2", "niah-3")
+    lengths: tuple[int, ...] = (1024, 2048, 4096)
+    depths: tuple[int, ...] = (0, 25, 50, 75, 100)
+    num_examples: int = 2
+    new_tokens: int = 12
+    seed: int = 0
+    group_size: int = 64
+    sink: int = 4
+    recent: int = 128
+
+    def __post_init__(self) -> None:
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"NIAH tasks {list(bad) or 'none'}; valid: {', '.join(TASKS)}")
+        if not self.lengths or min(self.lengths) < 128:
+            raise ValueError(f"lengths {list(self.lengths)}: give at least one, each >= 128 tokens")
+        if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
+            raise ValueError(f"depths {list(self.depths)}: give at least one, each a percent in 0..100")
+        for name in ("num_examples", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    length: int
+    depth: int
+    index: int
+    prompt_ids: list[int] = field(repr=False)
+    value: str
+    needle_token: int  # where the asked needle starts in the prompt (token index)
+    haystack_tokens: int  # the prompt's haystack tokens (without needles and question)
+
+
+def _value(task: str, rng: random.Random) -> str:
+    if task == "niah-3":
+        h = "".join(rng.choice("0123456789abcdef") for _ in range(12))
+        return f"{h[:4]}-{h[4:8]}-{h[8:]}"
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _needle(key: str, value: str) -> str:
+    return f" One of the special magic numbers for {key} is: {value}. "
+
+
+def _question(key: str) -> str:
+    return (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
+            f"The special magic number for {key} mentioned in the provided text is:")  # fmt: skip
+
+
+def make_example(tokenizer, corpus_ids: list[int], noise_ids: list[int], task: str, length: int, depth: int,
+                 index: int, seed: int) -> Example:  # fmt: skip
+    """One example of exactly ``length`` prompt tokens, deterministic in its arguments."""
+    rng = random.Random(f"{seed}/{task}/{length}/{depth}/{index}")
+    keys = rng.sample(KEYS, 3 if task == "niah-mk" else 1)
+    values = [_value(task, rng) for _ in keys]
+    asked = rng.randrange(len(keys))
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    needles = [enc(_needle(k, v)) for k, v in zip(keys, values, strict=True)]
+    question = enc(_question(keys[asked]))
+    room = length - len(question) - sum(map(len, needles))
+    if room < 16:
+        raise ValueError(f"length {length} leaves no room for a haystack; use a longer length")
+    if task == "niah-1":
+        hay = (noise_ids * (room // len(noise_ids) + 1))[:room]
+    else:
+        start = rng.randrange(max(1, len(corpus_ids) - room))
+        hay = (corpus_ids * (room // max(1, len(corpus_ids)) + 1))[start : start + room]
+    # the asked needle at `depth` percent of the haystack, the others at random places
+    spots = [round(room * depth / 100)] + [rng.randrange(room + 1) for _ in keys[1:]]
+    order = [asked] + [i for i in range(len(keys)) if i != asked]
+    inserts = sorted(zip(spots, order, strict=True), key=lambda so: (so[0], so[1] != asked))
+    ids, prev, where = [], 0, 0
+    for spot, i in inserts:
+        ids += hay[prev:spot]
+        if i == asked:
+            where = len(ids)
+        ids += needles[i]
+        prev = spot
+    ids += hay[prev:] + question
+    assert len(ids) == length, (len(ids), length)
+    return Example(task, length, depth, index, ids, values[asked], where, room)
+
+
+def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
+    """Every example of the configuration, in (task, length, depth, index) order."""
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    corpus_ids = enc(corpus[:400_000])
+    noise_ids = enc(NOISE)
+    return [make_example(tokenizer, corpus_ids, noise_ids, t, n, d, i, cfg.seed)
+            for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for i in range(cfg.num_examples)]  # fmt: skip
+
+
+@torch.no_grad()
+def answer(model, prompt: torch.Tensor, scheme: str, cfg: NiahConfig) -> list[int]:
+    """Greedy answer tokens of ``prompt [1, T]`` through the cache as decode sees it."""
+    from quantmla.cache import QuantizedLatentCache
+    from quantmla.models.compat import cache_kwargs
+
+    cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
+                                 recent=cfg.recent)  # fmt: skip
+    model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(cache))
+    tok, out = prompt[:, -1:], []
+    for _ in range(cfg.new_tokens):
+        logits = model(input_ids=tok, use_cache=True, **cache_kwargs(cache)).logits[:, -1]
+        tok = logits.argmax(-1, keepdim=True)
+        out.append(int(tok))
+    return out
+
+
+@dataclass
+class NiahRow:
+    scheme: str
+    task: str
+    length: int
+    depth: int
+    index: int
+    value: str
+    output: str
+    correct: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_niah(
+    model, tokenizer, corpus: str, schemes: list[str], cfg: NiahConfig, progress: bool = True
+) -> list[NiahRow]:
+    """Every example under every scheme; one row each."""
+    exs = examples(tokenizer, corpus, cfg)
+    dev = next(model.parameters()).device
+    rows = []
+    with tqdm(total=len(exs) * len(schemes), desc="NIAH", unit="example", disable=not progress) as bar:
+        for scheme in schemes:
+            for ex in exs:
+                ids = torch.tensor([ex.prompt_ids], device=dev)
+                text = tokenizer.decode(answer(model, ids, scheme, cfg))
+                rows.append(NiahRow(scheme, ex.task, ex.length, ex.depth, ex.index, ex.value, text, ex.value in text))
+                bar.update()
+    return rows
+
+
+def accuracy(rows: list[NiahRow], **where) -> float:
+    """Exact-match accuracy of the rows matching ``where`` (e.g. ``scheme="c4r4", length=4096``)."""
+    sel = [r for r in rows if all(getattr(r, k) == v for k, v in where.items())]
+    if not sel:
+        raise ValueError(f"no NIAH rows for {where}")
+    return sum(r.correct for r in sel) / len(sel)
+
+
+def heatmap(rows: list[NiahRow], scheme: str, path) -> None:
+    """Accuracy over length x depth for ``scheme``, one panel per task (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r.task for r in rows if r.scheme == scheme})
+    lengths = sorted({r.length for r in rows})
+    depths = sorted({r.depth for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks) + 1.2, 3.4), squeeze=False, layout="constrained")
+    for ax, task in zip(axes[0], tasks, strict=True):
+        grid = [[accuracy(rows, scheme=scheme, task=task, length=n, depth=d) for d in depths] for n in lengths]
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("needle depth")
+        ax.set_title(task)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+    axes[0][0].set_ylabel("context tokens")
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03)
+    fig.suptitle(f"NIAH exact match, {scheme}")
+    fig.savefig(path, dpi=110, metadata={"Software": None}, bbox_inches="tight")
+    plt.close(fig)

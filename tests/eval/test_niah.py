@@ -1,0 +1,82 @@
+"""NIAH: deterministic examples of the asked length with the needle at its depth, answers through the
+cache as decode sees it, exact-match scoring, and the command's table, JSON and heat maps."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import quantmla
+from quantmla.cli.main import app
+from quantmla.eval.niah import NiahConfig, NiahRow, accuracy, answer, examples
+from quantmla.models.loading import builtin_text
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return quantmla.load(dtype="float32", device="cpu")
+
+
+def test_examples_are_deterministic_and_the_needle_sits_at_its_depth(bundled):
+    _, tok = bundled
+    cfg = NiahConfig(tasks=("niah-1", "niah-2", "niah-3", "niah-mk"), lengths=(256, 512), depths=(0, 50, 100))
+    a, b = examples(tok, builtin_text("test"), cfg), examples(tok, builtin_text("test"), cfg)
+    assert [e.prompt_ids for e in a] == [e.prompt_ids for e in b] and len(a) == 4 * 2 * 3 * 2
+    other = examples(tok, builtin_text("test"), NiahConfig(tasks=cfg.tasks, lengths=cfg.lengths, depths=cfg.depths,
+                                                           seed=1))  # fmt: skip
+    assert [e.prompt_ids for e in a] != [e.prompt_ids for e in other]
+    for e in a:
+        assert len(e.prompt_ids) == e.length
+        text = tok.decode(e.prompt_ids)
+        assert f"is: {e.value}." in text and text.rstrip().endswith("provided text is:")
+        needle = tok.decode(e.prompt_ids[e.needle_token :])
+        assert needle.lstrip().startswith("One of the special magic numbers") and e.value in needle[:120]
+        if e.task != "niah-mk":  # one needle: it starts exactly depth percent into the haystack
+            assert e.needle_token == round(e.haystack_tokens * e.depth / 100), (e.task, e.depth, e.needle_token)
+    assert tok.decode(a[-1].prompt_ids).count("special magic numbers for") == 3  # niah-mk: three needles
+
+
+def test_the_answer_is_greedy_decoding_through_the_cache(bundled):
+    # scheme bf16 stores every token unquantised: the answer is plain greedy decoding of the prompt
+    model, tok = bundled
+    cfg = NiahConfig(lengths=(160,), depths=(50,), new_tokens=5)
+    ex = examples(tok, builtin_text("test"), cfg)[0]
+    ids = torch.tensor([ex.prompt_ids])
+    got = answer(model, ids, "bf16", cfg)
+    seq = ids
+    with torch.no_grad():
+        for _ in range(5):
+            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert got == seq[0, 160:].tolist()
+    assert answer(model, ids, "c2r4", NiahConfig(lengths=(160,), depths=(50,), new_tokens=5, sink=0, recent=0)) != got
+
+
+def test_accuracy_is_exact_match_of_the_value():
+    rows = [NiahRow("c4r4", "niah-1", 1024, d, 0, "1234567", out, "1234567" in out)
+            for d, out in ((0, " 1234567."), (50, " 123456"), (100, "x1234567"))]  # fmt: skip
+    assert accuracy(rows) == pytest.approx(2 / 3) and accuracy(rows, depth=50) == 0
+    with pytest.raises(ValueError, match="no NIAH rows"):
+        accuracy(rows, scheme="bf16")
+
+
+def test_niah_command_writes_json_and_heat_maps(tmp_path):
+    args = ["eval", "niah", "--scheme", "bf16,c4r4", "--tasks", "niah-1,niah-3", "--lengths", "192", "--depths",
+            "0,100", "--out", str(tmp_path), "--json"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert len(data["rows"]) == 2 * 2 * 2 and set(data["accuracy"]) == {"bf16", "c4r4"}
+    assert json.loads((tmp_path / "niah.json").read_text())["rows"] == data["rows"]
+    for s in ("bf16", "c4r4"):
+        assert (tmp_path / f"niah-{s}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "fragment"), [(["--tasks", "niah-9"], "valid: niah-1, niah-2, niah-3, niah-mk"),
+                                                (["--depths", "0,150"], "each a percent in 0..100"),
+                                                (["--lengths", "8192"], "max_position_embeddings=4096")])  # fmt: skip
+def test_bad_niah_input_is_one_line(args, fragment):
+    res = CliRunner().invoke(app, ["eval", "niah", *args])
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and fragment in lines[0], res.output
