@@ -147,3 +147,13 @@ def test_eval_ppl_on_cuda_defaults_to_bfloat16_and_reads_the_kernel_storage():
 def test_version():
     res = runner.invoke(app, ["--version"])
     assert res.exit_code == 0 and res.output.startswith("quantmla ")
+
+
+def test_eval_ppl_default_is_a_spread_subset_and_all_is_every_window():
+    res = runner.invoke(app, ["eval", "ppl", "--seq-len", "64", "--scheme", "bf16,c4r4", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout[res.stdout.index("{") :])["results"]
+    assert all(r["sequences"] == 32 and r["tokens"] == 32 * 63 for r in rows)
+    assert rows[0]["total_windows"] > 32 and rows[0]["ppl_ci"][0] < rows[0]["ppl"] < rows[0]["ppl_ci"][1]
+    res = runner.invoke(app, ["eval", "ppl", "--seq-len", "64", "--all", "--num-seqs", "3"])
+    assert res.exit_code == 2 and "either --all or --num-seqs" in res.output

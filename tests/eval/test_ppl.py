@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 import quantmla
@@ -81,3 +82,34 @@ def test_group_size_that_does_not_fit_fails_before_any_forward(monkeypatch):
 
     with pytest.raises(ValueError, match="group_size=48 does not divide the channel dimension 128"):
         perplexity(model, tok, builtin_text("test"), PerplexityConfig(scheme="c4r4", group_size=48), progress=False)
+
+
+def test_spread_windows_are_evenly_spaced_over_the_text():
+    from quantmla.eval.ppl import token_windows
+
+    _, tok = quantmla.load()
+    text = builtin_text("test")[:60_000]
+    every = token_windows(tok, text, 64, None)
+    spread = token_windows(tok, text, 64, 5, spread=True)
+    n = every.shape[0]
+    picks = [next(i for i in range(n) if torch.equal(every[i], w)) for w in spread]
+    assert picks[0] == 0 and picks[-1] == n - 1 and len(picks) == 5
+    gaps = [b - a for a, b in zip(picks, picks[1:], strict=False)]
+    assert max(gaps) - min(gaps) <= 1
+    assert token_windows(tok, text, 64, 10 * n, spread=True).shape[0] == n  # at most every window
+    with pytest.raises(ValueError, match="give num_seqs"):
+        PerplexityConfig(spread=True)
+
+
+def test_bootstrap_intervals():
+    from quantmla.eval.ppl import bootstrap_ppl, paired_bootstrap
+
+    g = torch.Generator().manual_seed(3)
+    nll = (torch.randn(40, generator=g) * 20 + 200).tolist()  # summed NLL of 40 windows of 64 tokens
+    lo, hi = bootstrap_ppl(nll, 63)
+    point = math.exp(sum(nll) / (40 * 63))
+    assert lo < point < hi and (lo, hi) == bootstrap_ppl(nll, 63)
+    assert paired_bootstrap(nll, nll, 63) == (0.0, 0.0)  # the same windows: no difference at all
+    worse = [x + 6.3 + 0.5 * float(torch.randn(1, generator=g)) for x in nll]  # +0.1 nats a token
+    lo, hi = paired_bootstrap(nll, worse, 63)
+    assert 0.0 < lo < math.expm1(0.1) < hi  # paired: narrow around the shift, which unpaired spreads hide

@@ -16,26 +16,38 @@ from quantmla.models.loading import DEFAULT_MODEL
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
 
 DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
+#: windows `eval ppl` evaluates by default, spread over the text: about a minute a scheme on 2 CPU cores
+SUBSET = 32
 DTYPE_HELP = "Model dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32, float64."
 
 
 def results_table(title: str, results) -> Table:
     """Perplexity rows labelled by what ran (:attr:`PerplexityResult.label`); bytes from real cache storage."""
+    from quantmla.eval.ppl import paired_bootstrap
+
     t = Table(
         title=title,
         caption="bytes/token: allocated storage of a QuantizedLatentCache after the model's prefill of the first "
         "window (per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype",
     )
     t.add_column("scheme", justify="right", min_width=max(len(r.label) for r in results), no_wrap=True)
-    for col in ("sink+recent", "perplexity", "vs first", "bytes/token", "vs unquantised", "tokens"):
+    cols = ("sink+recent", "perplexity", "95% CI", "vs first", "vs first 95% CI (paired)", "bytes/token",
+            "vs unquantised", "tokens")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="right")
     base = results[0].ppl
     for r in results:
+        paired = "-"
+        if r is not results[0] and r.window_nll and results[0].window_nll:
+            lo, hi = paired_bootstrap(results[0].window_nll, r.window_nll, r.seq_len - 1)
+            paired = f"{100 * lo:+.2f}% .. {100 * hi:+.2f}%"
         t.add_row(
             r.label,
             f"{r.sink}+{r.recent}",
             f"{r.ppl:.3f}",
+            f"{r.ppl_ci[0]:.2f}-{r.ppl_ci[1]:.2f}" if r.ppl_ci else "-",
             f"{100 * (r.ppl / base - 1):+.2f}%",
+            paired,
             f"{r.bytes_per_token:.1f}",
             f"{r.unquantised_bytes_per_token / r.bytes_per_token:.2f}x",
             str(r.tokens),
@@ -54,7 +66,10 @@ def ppl(
         "quantmla.json scheme, else bf16).",
     ),
     seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
-    num_seqs: int = typer.Option(None, min=1, help="Windows to evaluate (default: all full windows of the text)."),
+    num_seqs: int = typer.Option(
+        None, min=1, help=f"Evaluate the first N windows (default: {SUBSET} windows spread over the text)."
+    ),
+    all_windows: bool = typer.Option(False, "--all", help="Evaluate every full window of the text."),
     sink: int = typer.Option(None, min=0, help="Leading tokens kept unquantised (default: quantmla.json, else 4)."),
     recent: int = typer.Option(None, min=0, help="Recent tokens kept unquantised (default: quantmla.json, else 128)."),
     no_sink_recent: bool = typer.Option(False, "--no-sink-recent", help="Quantise every token (sink=recent=0)."),
@@ -86,10 +101,14 @@ def ppl(
         names = [s.strip() for s in scheme.split(",") if s.strip()]
         if not names:
             raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
+        if all_windows and num_seqs is not None:
+            raise ValueError("give either --all or --num-seqs, not both")
+        subset = not all_windows and num_seqs is None
+        n = None if all_windows else SUBSET if subset else num_seqs
         cfgs = [
             PerplexityConfig(
-                scheme=s, seq_len=seq_len, num_seqs=num_seqs, sink=sink, recent=recent, group_size=group_size,
-                batch_size=batch_size,
+                scheme=s, seq_len=seq_len, num_seqs=n, spread=subset, sink=sink, recent=recent,
+                group_size=group_size, batch_size=batch_size, per_window=True,
             )
             for s in names
         ]  # fmt: skip
@@ -103,9 +122,11 @@ def ppl(
         typer.echo(json.dumps(out | {"results": [r.to_dict() for r in results]}, indent=2))
         return
     src_text = str(text or dataset or f"bundled {split} split")
+    r0 = results[0]
+    which = "spread over" if subset else "the first of" if num_seqs is not None else "all of"
     title = (
-        f"{model} in {dtype_name(torch_dtype)} on {dev}: perplexity on {src_text}, "
-        f"{results[0].sequences} x {seq_len} tokens"
+        f"{model} in {dtype_name(torch_dtype)} on {dev}: perplexity on {src_text}, {r0.sequences} x {seq_len}"
+        f" tokens ({which} its {r0.total_windows} windows{'; --all for every window' if subset else ''})"
     )
     Console().print(results_table(title, results))
 

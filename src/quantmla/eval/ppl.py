@@ -25,6 +25,7 @@ class PerplexityConfig:
     scheme: str = "bf16"
     seq_len: int = 512
     num_seqs: int | None = None  # None: every full window of the text
+    spread: bool = False  # num_seqs windows evenly spaced over the text (False: the first num_seqs)
     sink: int = 4
     recent: int = 128
     group_size: int = 64
@@ -38,6 +39,8 @@ class PerplexityConfig:
             raise ValueError(f"seq_len={self.seq_len} must be >= 2")
         if self.num_seqs is not None and self.num_seqs < 1:
             raise ValueError(f"num_seqs={self.num_seqs} must be >= 1")
+        if self.spread and self.num_seqs is None:
+            raise ValueError("spread=True picks num_seqs windows: give num_seqs")
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
         if self.sink < 0 or self.recent < 0:
@@ -62,6 +65,9 @@ class PerplexityResult:
     dtype: str  # the model's dtype that ran (e.g. "bfloat16", "float32")
     device: str  # the device that ran (e.g. "cpu", "cuda:0")
     cache_backend: str  # the cache backend(s) whose storage the bytes were read from ("torch", "triton")
+    #: 95% bootstrap interval of the perplexity over the evaluated windows (2,000 resamples, seed 0)
+    ppl_ci: tuple[float, float] | None = None
+    total_windows: int | None = None  # full windows in the text (``sequences`` of them were evaluated)
     kl: float | None = None  # per token, from the same model with a full-precision cache (PerplexityConfig.kl)
     window_nll: list[float] | None = None  # summed NLL of each window (PerplexityConfig.per_window)
 
@@ -82,16 +88,43 @@ def scheme_label(scheme: str, dtype: str) -> str:
     return f"unquantised ({dtype})"
 
 
-def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None) -> torch.Tensor:
+def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None, spread: bool = False) -> torch.Tensor:
+    """Windows ``[n, seq_len]`` of the text's tokens: all full windows, the first ``num_seqs``, or with
+    ``spread`` ``num_seqs`` of them evenly spaced over the text (at most all of them)."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")
-    if num_seqs is not None:
-        if num_seqs > n:
-            raise ValueError(f"num_seqs={num_seqs} but the text holds only {n} windows of {seq_len} tokens")
-        n = num_seqs
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    all_windows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    if num_seqs is None:
+        return all_windows
+    if spread:
+        k = min(num_seqs, n)
+        return all_windows[torch.linspace(0, n - 1, k).round().long()]
+    if num_seqs > n:
+        raise ValueError(f"num_seqs={num_seqs} but the text holds only {n} windows of {seq_len} tokens")
+    return all_windows[:num_seqs]
+
+
+def paired_bootstrap(base_nll: list[float], other_nll: list[float], tokens_per_window: int,
+                     resamples: int = 2000) -> tuple[float, float]:  # fmt: skip
+    """95% interval of ``ppl(other) / ppl(base) - 1`` over the same windows, resampled in pairs (seed 0)."""
+    d = torch.tensor(other_nll, dtype=torch.float64) - torch.tensor(base_nll, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(d), (resamples, len(d)), generator=g)
+    ratio = torch.expm1(d[idx].mean(1) / tokens_per_window)
+    lo, hi = torch.quantile(ratio, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
+
+
+def bootstrap_ppl(window_nll: list[float], tokens_per_window: int, resamples: int = 2000) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the perplexity, resampling windows (seed 0: deterministic)."""
+    x = torch.tensor(window_nll, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, len(x), (resamples, len(x)), generator=g)
+    ppl = torch.exp(x[idx].mean(1) / tokens_per_window)
+    lo, hi = torch.quantile(ppl, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return lo, hi
 
 
 def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
@@ -129,7 +162,8 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
     cache_config(model.config, cfg)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
-    windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs)
+    windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs, cfg.spread)
+    total_windows = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) // cfg.seq_len
     param = next(model.parameters())
     device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []
@@ -167,6 +201,8 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         dtype=dtype_name(param.dtype),
         device=str(device),
         cache_backend=backend,
+        ppl_ci=bootstrap_ppl(per_window, cfg.seq_len - 1),
+        total_windows=total_windows,
         kl=kl_sum / count if cfg.kl else None,
         window_nll=per_window if cfg.per_window else None,
     )
