@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The vLLM 0.26 serving runs on the H200 (device tool), from the tree: PYTHONPATH=src, vLLM's wheels in /tmp/site.
 #
-#   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (wheel-bundle parts in
-#                                              /tmp/wheel-parts) and quantmla's vllm.general_plugins entry point
-#   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (bundled model, BF16)
+#   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (scripts/vllm_gpu_wheels.sh; its parts
+#                                              copied to /tmp/wheel-parts first) and quantmla's plugin entry point
+#   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16)
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
 #                                              schemes S (comma list) at budgets B (MiB, comma list)
 # Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
+# the test process may have initialised CUDA before vLLM forks its engine core
+export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 out=${OUT:-out}/serving-gpu
 mkdir -p "$out"
 [ -f /tmp/serving.json ] && [ ! -f "$out/serving.json" ] && cp /tmp/serving.json "$out/serving.json"
