@@ -38,7 +38,7 @@ from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry, prompt_as_stored
 
 logger = logging.getLogger("vllm.quantmla")
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -121,11 +121,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None):  # fmt: skip
-        if self.layout is not None:  # the prompt's own tokens as the cache holds them: read back
-            n0 = attn_metadata.num_decode_tokens
-            slots = attn_metadata.slot_mapping[n0 : n0 + kv_c_normed.shape[0]].long()
-            c, r = self.layout.unpack(self.layout.read_slots(kv_c_and_k_pe_cache, slots), torch.float32)
-            kv_c_normed, k_pe = c.to(kv_c_normed.dtype), r.to(k_pe.dtype).reshape(k_pe.shape)
+        if self.layout is not None:  # the prompt's own tokens as the cache holds them
+            kv_c_normed, k_pe = prompt_as_stored(self.layout, kv_c_and_k_pe_cache, attn_metadata, kv_c_normed, k_pe)
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                                    output_scale)  # fmt: skip
 

@@ -50,3 +50,14 @@ def mla_geometry() -> tuple[int, int]:
     if hf is None or not hasattr(hf, "kv_lora_rank"):
         return 512, 64
     return int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
+
+
+def prompt_as_stored(layout, cache, attn_metadata, kv_c_normed, k_pe):
+    """A prefill's own tokens as the cache holds them, read back from the slots just written (the
+    prefill part of ``attn_metadata.slot_mapping``): ``(kv_c_normed, k_pe)`` in their dtypes and shapes."""
+    import torch
+
+    n0 = attn_metadata.num_decode_tokens
+    slots = attn_metadata.slot_mapping[n0 : n0 + kv_c_normed.shape[0]].long()
+    c, r = layout.unpack(layout.read_slots(cache, slots), torch.float32)
+    return c.to(kv_c_normed.dtype), r.to(k_pe.dtype).reshape(k_pe.shape)
