@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import time
@@ -53,12 +54,12 @@ def parse_workloads(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def engine(model: str, scheme: str, budget: int, max_len: int, args):
+def engine(model: str, scheme: str, budget: int, max_len: int, args, max_num_seqs: int):
     from vllm import LLM
 
-    extra = {} if scheme.endswith("-vllm") else {"quantmla": {"scheme": scheme}}
+    extra = {} if scheme.endswith("-vllm") else {"quantmla": {"scheme": scheme, "windows": windows(args)}}
     kw = dict(model=model, dtype=args.dtype, max_model_len=max_len, kv_cache_memory_bytes=budget, seed=0,
-              additional_config=extra, disable_log_stats=False, max_num_seqs=args.max_num_seqs)  # fmt: skip
+              additional_config=extra, disable_log_stats=False, max_num_seqs=max_num_seqs)  # fmt: skip
     if scheme == "fp8-vllm":
         kw["kv_cache_dtype"] = "fp8"
     if args.gpu:
@@ -70,15 +71,27 @@ def engine(model: str, scheme: str, budget: int, max_len: int, args):
     return LLM(**kw)
 
 
+def windows(args) -> list[int]:
+    return [int(v) for v in args.windows.split(",")]
+
+
 def run(model: str, scheme: str, budget: int, args) -> list[dict]:
+    """The workloads on one engine (``--max-num-seqs N``), or each on its own engine sized to its requests
+    (``--max-num-seqs 0``: the windows' shadows, sized by max_num_seqs, then cost only what it needs)."""
     workloads = parse_workloads(args.workloads) if args.workloads else [(args.requests, args.prompt, args.output)]
-    llm = engine(model, scheme, budget, max(p + o for _, p, o in workloads), args)
-    cfg = llm.llm_engine.vllm_config.cache_config
-    kv_tokens = cfg.num_gpu_blocks * cfg.block_size
-    rows = [dict(workload(llm, n, p, o, args), scheme=scheme, budget_mib=budget / 2**20, kv_tokens=kv_tokens)
-            for n, p, o in workloads]  # fmt: skip
-    llm.llm_engine.engine_core.shutdown()
-    del llm
+    groups = [workloads] if args.max_num_seqs else [[w] for w in workloads]
+    rows = []
+    for group in groups:
+        seqs = args.max_num_seqs or group[0][0]
+        llm = engine(model, scheme, budget, max(p + o for _, p, o in group), args, seqs)
+        cfg = llm.llm_engine.vllm_config.cache_config
+        kv_tokens = cfg.num_gpu_blocks * cfg.block_size
+        win = [0, 0] if scheme.endswith("-vllm") or scheme == "bf16" else windows(args)
+        rows += [dict(workload(llm, n, p, o, args), scheme=scheme, budget_mib=budget / 2**20, kv_tokens=kv_tokens,
+                      max_num_seqs=seqs, windows=win) for n, p, o in group]  # fmt: skip
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
     return rows
 
 
@@ -189,7 +202,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--workloads", default="", help="e.g. 5x32768+1024,48x4096+2048 (overrides the three above)")
-    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="0: each workload its own engine, sized to it")
+    ap.add_argument("--windows", default="4,128", help="quantmla's sink,recent (0,0: every token as stored)")
     ap.add_argument("--append", action="store_true", help="add the rows to OUT/serving.json instead of replacing")
     ap.add_argument("--decode-step", action="store_true", help="also time the decode step's attention alone")
     ap.add_argument("--decode-only", action="store_true", help="only time the decode step's attention")
@@ -243,6 +257,7 @@ def decode_step_gpu(args) -> list[dict]:
     from quantmla.kernels.write import write_records
     from quantmla.serving.kernel_pages import KernelPages
     from quantmla.serving.records import RecordLayout
+    from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool, window_positions
 
     def timed(fn) -> float:
         """Median µs of one call, replayed from a CUDA graph of 10 calls (no launch overhead: the engine
@@ -289,6 +304,27 @@ def decode_step_gpu(args) -> list[dict]:
             store = KernelPages(pg, lay)
             row[f"{scheme}_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store, table, lens,
                                                           0.1))  # fmt: skip
+            if scheme != "bf16":  # the engine's step with windows (4 + 128): gather the window rows, then decode
+                wcfg = WindowConfig(4, 128)
+                pool = WindowPool(wcfg, b * pages * bs, b, dev)
+                pool.plan(table.cpu().numpy(), lens.cpu().numpy(), bs)
+                shadow = ShadowRows(wcfg, b, 576, torch.bfloat16, dev)
+                pos, ok, _, _ = window_positions(lens, wcfg)
+                wslots = (table.long().gather(1, pos // bs) * bs + pos % bs)[ok]
+                shadow.write(pool, wslots, c[wslots], r[wslots])
+
+                def read(sl, lay=lay, pg=pg):
+                    cc, rr = lay.unpack(lay.read_slots(pg, sl), torch.bfloat16)
+                    return torch.cat([cc, rr], -1)
+
+                def windowed(store=store, pool=pool, shadow=shadow, read=read, pg=pg, table=table, lens=lens, q=q):
+                    rows, count, start, n_paged = shadow.window(pool, pg, read, table, lens)
+                    return mla_decode(q[..., :512], q[..., 512:], store, table, n_paged, 0.1, rows, count,
+                                      paged_start=start)  # fmt: skip
+
+                row[f"{scheme}_windows_us"] = timed(windowed)
+                assert int(pool.misses) == 0
+                del pool, shadow
             del pg, store
         own = PagedLatentStore(PagedLayout(4, 4, page_size=bs), b * pages, dev)  # the kernels' own arrays
         own.write(torch.arange(b * pages, device=dev).repeat_interleave(bs), torch.arange(bs, device=dev).repeat(
@@ -331,6 +367,13 @@ def report(rows: list[dict], steps: list[dict], out: Path) -> None:
         for s in steps:
             print(f"| {s['B']} | {s['L']} | {s['H']} | {s['vllm_fa3_us']:.1f} | {s['bf16_us']:.1f} |"
                   f" {s['c4r4_us']:.1f} | {s['c2r4_us']:.1f} | {s['vllm_fa3_us'] / s['c4r4_us']:.2f}x |")  # fmt: skip
+        if "c4r4_windows_us" in steps[0]:
+            print("\n| B | L | c4r4 µs | c4r4 + windows (gather + window split) µs | c2r4 µs | c2r4 + windows µs |"
+                  " c4r4 + windows vs FA3 |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|")
+            for s in steps:
+                print(f"| {s['B']} | {s['L']} | {s['c4r4_us']:.1f} | {s['c4r4_windows_us']:.1f} | {s['c2r4_us']:.1f} |"
+                      f" {s['c2r4_windows_us']:.1f} | {s['vllm_fa3_us'] / s['c4r4_windows_us']:.2f}x |")  # fmt: skip
         if "c4r4_write_fused_us" in steps[0]:
             print("\n| B | L | c4r4 kernel, record pages µs | c4r4 kernel, its own arrays µs | write c4r4 torch µs |"
                   " write c4r4 fused µs | write c2r4 torch µs | write c2r4 fused µs |")  # fmt: skip

@@ -25,12 +25,17 @@ def paged_decode(
     scale: float,
     max_tokens: int = 1 << 16,
     lengths: list[int] | None = None,
+    window: torch.Tensor | None = None,
+    window_len: torch.Tensor | None = None,
+    paged_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output ``[B, H, d_c]`` (``q_nope``'s dtype) of one decode token per request.
 
     ``q_nope [B, H, d_c]`` (already through ``W_UK``), ``q_pe [B, H, d_r]``, ``block_table [B, >= pages]``
-    (int), ``seq_lens [B]`` tokens in the cache including the new one. ``lengths``: ``seq_lens`` as host
-    integers if the caller has them (saves a device-to-host copy).
+    (int), ``seq_lens [B]`` tokens in the pages including the new one. ``lengths``: ``seq_lens`` as host
+    integers if the caller has them (saves a device-to-host copy). With windows
+    (:mod:`quantmla.serving.windows`): paged positions before ``paged_start [B]`` are left out and the
+    unquantised rows ``window [B, W, d_c + d_r]`` (the first ``window_len [B]`` of each) join the softmax.
     """
     b, h, _ = q_nope.shape
     bs = records.shape[1]
@@ -43,19 +48,30 @@ def paged_decode(
         while j < b and (j - i + 1) * lens[order[j]] <= max_tokens:
             j += 1
         idx = torch.tensor(order[i:j], device=q_nope.device)
-        pages = -(-max(lens[order[j - 1]], 1) // bs)
-        out[idx] = _attend(q_nope[idx], q_pe[idx], records, layout, block_table[idx, :pages], seq_lens[idx], scale)
+        pages = -(-max(lens[order[j - 1]], 1) // bs)  # at least one page, even with every token in the window
+        win = None
+        if window is not None:
+            win = (window[idx], window_len[idx], paged_start[idx])
+        out[idx] = _attend(q_nope[idx], q_pe[idx], records, layout, block_table[idx, :pages], seq_lens[idx], scale,
+                           win)  # fmt: skip
         i = j
     return out
 
 
-def _attend(q_nope, q_pe, records, layout, blocks, seq_lens, scale) -> torch.Tensor:
+def _attend(q_nope, q_pe, records, layout, blocks, seq_lens, scale, win=None) -> torch.Tensor:
     n, pages = blocks.shape
     rec = layout.read_pages(records[blocks.long()]).reshape(n, pages * records.shape[1], -1)  # [n, T, bytes]
     t = torch.arange(rec.shape[1], device=rec.device)
-    past = t[None, :] >= seq_lens[:, None].long()  # slots past each request's end: unwritten bytes
-    c, r = layout.unpack(rec, torch.float32, valid=~past)  # they read as 0 (NaN bytes would leak into P c)
+    skip = t[None, :] >= seq_lens[:, None].long()  # slots past each request's end: unwritten bytes
+    if win is not None:
+        skip |= t[None, :] < win[2][:, None].long()  # the sinks: read from the window rows instead
+    c, r = layout.unpack(rec, torch.float32, valid=~skip)  # they read as 0 (NaN bytes would leak into P c)
+    if win is not None:  # the unquantised rows join the same softmax
+        rows, count = win[0].float(), win[1].long()
+        c = torch.cat([c, rows[..., : layout.kv_lora_rank]], dim=1)
+        r = torch.cat([r, rows[..., layout.kv_lora_rank :]], dim=1)
+        skip = torch.cat([skip, torch.arange(rows.shape[1], device=rec.device)[None, :] >= count[:, None]], dim=1)
     s = torch.einsum("nhd,ntd->nht", q_nope.float(), c) + torch.einsum("nhd,ntd->nht", q_pe.float(), r)
-    s = s.mul_(scale).masked_fill_(past[:, None, :], float("-inf"))
+    s = s.mul_(scale).masked_fill_(skip[:, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.einsum("nht,ntd->nhd", p, c).to(q_nope.dtype)

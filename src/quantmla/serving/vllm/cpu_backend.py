@@ -11,11 +11,12 @@ spec, same kernels, same results. When it is asked for:
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots (one quantisation);
 * ``forward_mqa`` (decode) gathers the pages of the batch and attends in torch
   (:func:`~quantmla.serving.paged_decode.paged_decode`);
-* prefill attends its own tokens *as stored* (vLLM's CPU MLA prefill does not read the cache: it has
-  no chunked prefill or prefix caching for MLA, so the plugin hands it the tokens read back from
-  the slots just written). Every position then sees exactly what a decode step at that position would see
-  (:func:`quantmla.eval.simulate.simulated_decode` computes the same), and a request preempted and
-  recomputed continues exactly as it would have.
+* the sink and recent windows of each request are read unquantised from BF16 shadows
+  (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder;
+* prefill is vLLM's own: it attends the prompt as computed, as ``QuantizedLatentCache``'s prefill does
+  (vLLM's CPU MLA prefill does not read the cache: it has no chunked prefill or prefix caching for
+  MLA). A request preempted and recomputed therefore attends its generated tokens as computed once,
+  at the recomputation, where the first run had read them as stored.
 """
 
 from __future__ import annotations
@@ -23,14 +24,28 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry, prompt_as_stored
+from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
+
+
+class QuantMLACPUMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder):
+    """vLLM's common MLA metadata, plus the step's window plan."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
+        cfg = window_config(current_selection())
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, window_cfg=cfg, **kwargs)
 
 
 class QuantMLACPUBackend(CPUMLABackend):
+    @staticmethod
+    def get_builder_cls():
+        return CPUMLABackend.get_builder_cls() if current_selection() is None else QuantMLACPUMetadataBuilder
+
     @classmethod
     def customize_spec(cls, spec):
         spec = super().customize_spec(spec)
@@ -52,6 +67,12 @@ class QuantMLACPUImpl(CPUMLAImpl):
         sel = current_selection()
         self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
                                                             sel.group_size)  # fmt: skip
+        self.windows = None
+        if self.layout is not None and window_config(sel).enabled:
+            from vllm.config import get_current_vllm_config
+
+            cfg = get_current_vllm_config()
+            self.windows = LayerWindows(window_config(sel), self.layout, cfg, cfg.model_config.dtype)
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:
@@ -64,14 +85,9 @@ class QuantMLACPUImpl(CPUMLAImpl):
         if not bool(valid.all()):
             slots, c, r = slots[valid], c[valid], r[valid]
         self.layout.write_pages(kv_cache, slots, c, r)
+        if self.windows is not None:
+            self.windows.write(slots, c, r)
         return None
-
-    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                    output_scale=None):  # fmt: skip
-        if self.layout is not None:  # the prompt's own tokens as the cache holds them
-            kv_c_normed, k_pe = prompt_as_stored(self.layout, kv_c_and_k_pe_cache, attn_metadata, kv_c_normed, k_pe)
-        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                                   output_scale)  # fmt: skip
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if self.layout is None:
@@ -82,5 +98,15 @@ class QuantMLACPUImpl(CPUMLAImpl):
             cache = kv_c_and_k_pe_cache.view(torch.bfloat16)
             return super().forward_mqa((q_nope, q_pe), cache, attn_metadata, layer)
         dec = attn_metadata.decode
-        out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens, self.scale)
+        step = getattr(attn_metadata, "windows", None)
+        if self.windows is not None and step is None:
+            raise RuntimeError("quantmla windows: a decode step without a window plan (metadata not from our builder)")
+        if self.windows is None:
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens,
+                               self.scale)  # fmt: skip
+            return out, None
+        win, win_len, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
+                                                                   dec.seq_lens)  # fmt: skip
+        out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
+                           window=win, window_len=win_len, paged_start=start)  # fmt: skip
         return out, None

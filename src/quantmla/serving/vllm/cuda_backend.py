@@ -14,16 +14,21 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   (:class:`~quantmla.serving.kernel_pages.KernelPages`, page strides of the engine's tensor); schemes
   the kernels do not cover (``fp8``, ``c8r8``) decode through the torch path without CUDA graphs,
   and the log says which ran;
-* prefill attends its own tokens as stored (read back from the slots just written), and the prefill
-  context (chunked prefill, prefix-cache hits, recomputation after preemption) is gathered and
-  dequantised from the pages by the same unpacking (:func:`patch_context_gather`).
+* prefill attends its own new tokens as computed (vLLM's own path, as ``QuantizedLatentCache``'s
+  prefill does), and its context (earlier chunks of a chunked prefill, prefix-cache hits) is gathered
+  and dequantised from the pages by the same unpacking (:func:`patch_context_gather`), the window
+  tokens from their shadows;
+* the sink and recent windows of each request are read unquantised from BF16 shadows
+  (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder outside the
+  CUDA graph; the decode kernel reads the pages for ``[sink, n - recent)`` and the window rows as one
+  more split of the same softmax.
 """
 
 from __future__ import annotations
 
 import contextvars
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
@@ -38,12 +43,13 @@ from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry, prompt_as_stored
+from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 logger = logging.getLogger("vllm.quantmla")
 #: block sizes the kernels page by (vLLM's block = one kernel page)
 BLOCK_SIZES = (16, 32, 64, 128)
-_GATHER: contextvars.ContextVar[RecordLayout | None] = contextvars.ContextVar("quantmla_gather", default=None)
+_GATHER: contextvars.ContextVar[ContextGather | None] = contextvars.ContextVar("quantmla_gather", default=None)
 _LOGGED: set[str] = set()
 
 
@@ -61,11 +67,16 @@ def _log_once(msg: str, *args) -> None:
         logger.info(msg, *args)
 
 
-class QuantMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommonMetadata]):
     """vLLM's common MLA metadata (block table and lengths per decode request), decode one token per
-    request; full CUDA graphs for decode when the scheme has a kernel (the torch path syncs)."""
+    request, plus the step's window plan; full CUDA graphs for decode when the scheme has a kernel (the
+    torch path syncs)."""
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
+        cfg = window_config(current_selection())
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, window_cfg=cfg, **kwargs)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -96,9 +107,16 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         super().__init__(*args, **kwargs)
         sel = current_selection()
         self.layout = None
+        self.windows = None
         if sel is not None:
             self.layout = RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim, sel.group_size)
             self.kernel = _has_kernel(sel.scheme)
+            if window_config(sel).enabled:
+                from vllm.config import get_current_vllm_config
+
+                cfg = get_current_vllm_config()
+                self.windows = LayerWindows(window_config(sel), self.layout, cfg, cfg.model_config.dtype,
+                                            torch.get_default_device())  # fmt: skip
             _log_once("quantmla plugin: %s decode through %s", sel.scheme,
                       "quantmla's Triton kernels on the pages in place" if self.kernel
                       else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
@@ -114,20 +132,21 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if self.kernel:  # one fused launch (padding slots, -1, skipped)
             from quantmla.kernels.write import write_records
 
-            return write_records(self.layout, kv_cache, slots, kv_c_normed, r)
-        slots = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
-        self.layout.write_pages(kv_cache, slots, kv_c_normed, r)
+            write_records(self.layout, kv_cache, slots, kv_c_normed, r)
+        else:
+            safe = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
+            self.layout.write_pages(kv_cache, safe, kv_c_normed, r)
+        if self.windows is not None:
+            self.windows.write(slots, kv_c_normed, r)
         return None
 
-    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                    output_scale=None):  # fmt: skip
-        if self.layout is not None:  # the prompt's own tokens as the cache holds them
-            kv_c_normed, k_pe = prompt_as_stored(self.layout, kv_c_and_k_pe_cache, attn_metadata, kv_c_normed, k_pe)
-        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                                   output_scale)  # fmt: skip
-
     def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
-        token = _GATHER.set(self.layout)  # None: vLLM's own gather
+        gather = None
+        if self.layout is not None:
+            step = getattr(attn_metadata, "windows", None)
+            ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
+            gather = ContextGather(self.layout, self.windows if ends is not None else None, step, ends)
+        token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
         finally:
@@ -140,14 +159,25 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
         q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         dec = attn_metadata.decode
+        win = dict(window=None, window_len=None, paged_start=None)
+        n_paged = dec.seq_lens
+        if self.windows is not None:
+            step = getattr(attn_metadata, "windows", None)
+            if step is None:
+                raise RuntimeError("quantmla windows: a decode step without a window plan")
+            rows, count, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
+                                                                     dec.seq_lens)  # fmt: skip
+            win = dict(window=rows, window_len=count, paged_start=start)
         if not self.kernel:
-            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens,
-                               self.scale)  # fmt: skip
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
+                               **win)  # fmt: skip
             return out, None
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
             self._pages = (key, KernelPages(kv_c_and_k_pe_cache, self.layout))
-        return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens, self.scale)
+        if win["window"] is not None:
+            win["window"] = win["window"].to(torch.bfloat16)
+        return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, n_paged.int(), self.scale, **win)
 
 
 def patch_kv_cache_spec() -> None:
@@ -179,11 +209,23 @@ def patch_kv_cache_spec() -> None:
     MLAAttention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def gather_records(layout: RecordLayout, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
+@dataclass(frozen=True)
+class ContextGather:
+    """How a layer's prefill context reads its pages: the records, and with windows the shadows of the
+    tokens in their request's window (``ends``: the prefill requests' lengths after the step)."""
+
+    layout: RecordLayout
+    windows: LayerWindows | None = None
+    step: object | None = None
+    ends: torch.Tensor | None = None
+
+
+def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
                    seq_starts=None) -> None:  # fmt: skip
     """vLLM's ``gather_and_maybe_dequant_cache`` for record pages: ``dst[i]`` (``[c | k^R]``) is token
     ``i`` of the batch's concatenated contexts, request ``token_to_seq[i]``, at position
-    ``i - cu_seq_lens[seq] + seq_starts[seq]``."""
+    ``i - cu_seq_lens[seq] + seq_starts[seq]``; tokens in their request's window from their shadows."""
+    layout = gather.layout
     n = int(num_tokens)
     if n == 0:
         return
@@ -195,7 +237,12 @@ def gather_records(layout: RecordLayout, src_cache, dst, block_table, cu_seq_len
     bs = src_cache.shape[1]
     slots = block_table[seq, pos // bs].long() * bs + pos % bs
     c, r = layout.unpack(layout.read_slots(src_cache, slots), torch.float32)
-    dst[:n] = torch.cat([c, r], dim=-1).to(dst.dtype)
+    x = torch.cat([c, r], dim=-1)
+    if gather.windows is not None:
+        cfg, end = gather.windows.cfg, gather.ends[seq].long()
+        wanted = (pos < cfg.sink) | (pos >= end - cfg.recent)
+        x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, lambda: x)
+    dst[:n] = x.to(dst.dtype)
 
 
 def patch_context_gather() -> None:
@@ -208,11 +255,11 @@ def patch_context_gather() -> None:
 
     def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
                                        kv_cache_dtype, scale, seq_starts=None):  # fmt: skip
-        layout = _GATHER.get()
-        if layout is None:
+        gather = _GATHER.get()
+        if gather is None:
             return original(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens, kv_cache_dtype,
                             scale, seq_starts)  # fmt: skip
-        return gather_records(layout, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
+        return gather_records(gather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
                               seq_starts)  # fmt: skip
 
     gather_and_maybe_dequant_cache._quantmla = True

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from quantmla.serving.vllm.selection import RECENT, SINK, Selection, select
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.selection import Selection, select
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 _RESOLVED: dict[int, Selection | None] = {}
@@ -33,13 +34,11 @@ def current_selection() -> Selection | None:
             logger.info("quantmla plugin: not asked for (no additional_config['quantmla'], QUANTMLA_SCHEME or"
                         " quantmla.json); vLLM's own MLA backend runs unchanged")  # fmt: skip
         else:
-            logger.info("quantmla plugin: serving the MLA cache as %s, group %d (from %s); sink %d + recent %d"
-                        " tokens unquantised", sel.scheme, sel.group_size, sel.source, SINK, RECENT)  # fmt: skip
-            exported = sel.windows
-            if exported is not None and tuple(exported) != (SINK, RECENT):
-                logger.warning("quantmla plugin: the export was calibrated for sink %d + recent %d; inside vLLM every"
-                               " token is read as stored (the windows are not implemented in the engine yet)",
-                               *exported)  # fmt: skip
+            quantised = RecordLayout(sel.scheme).cache_scheme.quantized
+            sink, recent = sel.windows
+            windows = f"sink {sink} + recent {recent} tokens unquantised" if quantised else "none (unquantised)"
+            logger.info("quantmla plugin: serving the MLA cache as %s, group %d (from %s); windows: %s", sel.scheme,
+                        sel.group_size, sel.source, windows)  # fmt: skip
     return sel
 
 
@@ -50,14 +49,3 @@ def mla_geometry() -> tuple[int, int]:
     if hf is None or not hasattr(hf, "kv_lora_rank"):
         return 512, 64
     return int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
-
-
-def prompt_as_stored(layout, cache, attn_metadata, kv_c_normed, k_pe):
-    """A prefill's own tokens as the cache holds them, read back from the slots just written (the
-    prefill part of ``attn_metadata.slot_mapping``): ``(kv_c_normed, k_pe)`` in their dtypes and shapes."""
-    import torch
-
-    n0 = attn_metadata.num_decode_tokens
-    slots = attn_metadata.slot_mapping[n0 : n0 + kv_c_normed.shape[0]].long()
-    c, r = layout.unpack(layout.read_slots(cache, slots), torch.float32)
-    return c.to(kv_c_normed.dtype), r.to(k_pe.dtype).reshape(k_pe.shape)

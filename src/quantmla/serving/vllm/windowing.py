@@ -1,0 +1,134 @@
+"""The sink and recent windows inside vLLM: one plan per engine step, the shadows per layer.
+
+The metadata builder (:class:`WindowPlanning`, mixed into both backends' builders) plans the step's
+shadows on the host (:meth:`quantmla.serving.windows.WindowPool.plan`) and hands the pool to the
+layers through the step's metadata (:class:`QuantMLAMetadata`). Each layer (:class:`LayerWindows`)
+holds its shadow rows, writes the new tokens into them and reads the decode window (and, on CUDA,
+the prefill context's window tokens) from them.
+
+The shadow rows come out of the KV budget: with ``kv_cache_memory_bytes`` given, each layer takes its
+rows' bytes off it before vLLM sizes its blocks (otherwise vLLM's memory profile sees them as model
+memory), so the engine's blocks plus the windows fill the same budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
+
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.selection import Selection
+from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+
+logger = logging.getLogger("vllm.quantmla")
+_LOGGED: set[str] = set()
+
+
+def window_config(sel: Selection | None) -> WindowConfig:
+    """The windows the selection asks for (none for an unquantised scheme: every token is BF16 already)."""
+    if sel is None or not RecordLayout(sel.scheme).cache_scheme.quantized or sel.windows is None:
+        return WindowConfig(0, 0)
+    return WindowConfig(*sel.windows)
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """What a layer needs of the step's windows: the planned pool, and the batch's lengths after the step
+    (``seq_lens [num_reqs]``) and token layout (``query_start_loc [num_reqs + 1]``)."""
+
+    pool: WindowPool
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+
+@dataclass
+class QuantMLAMetadata(MLACommonMetadata):
+    windows: WindowStep | None = None
+
+
+class WindowPlanning:
+    """Mixin for an ``MLACommonMetadataBuilder``: builds :class:`QuantMLAMetadata` and plans the windows."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, window_cfg: WindowConfig, **kwargs):
+        kwargs.setdefault("metadata_cls", QuantMLAMetadata)
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        self.window_pool = None
+        if window_cfg.enabled:
+            blocks = vllm_config.cache_config.num_gpu_blocks
+            if blocks is None:
+                raise RuntimeError("quantmla windows: vLLM built the attention metadata before sizing its blocks")
+            max_reqs = vllm_config.scheduler_config.max_num_seqs
+            self.window_pool = WindowPool(window_cfg, blocks * kv_cache_spec.block_size, max_reqs, device)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.window_pool is None:
+            return md
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        seq = cm.seq_lens[:n]
+        table = cm.block_table_tensor[:n]
+        self.window_pool.plan(table.cpu().numpy(), seq.cpu().numpy(), self.kv_cache_spec.block_size)
+        md.windows = WindowStep(self.window_pool, seq, cm.query_start_loc[: n + 1])
+        return md
+
+
+def current_window_step() -> WindowStep | None:
+    """The running step's :class:`WindowStep`, from vLLM's forward context (``do_kv_cache_update`` is not
+    handed the metadata)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):  # micro-batches: the first one's (they share the pool)
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = next((m for m in md.values() if isinstance(m, QuantMLAMetadata)), None)
+    return getattr(md, "windows", None)
+
+
+class LayerWindows:
+    """One MLA layer's windows: its shadow rows (taken off the KV budget) and what it reads from them."""
+
+    def __init__(self, cfg: WindowConfig, layout: RecordLayout, vllm_config, dtype: torch.dtype, device=None) -> None:
+        self.cfg, self.layout = cfg, layout
+        max_reqs = vllm_config.scheduler_config.max_num_seqs
+        width = layout.kv_lora_rank + layout.rope_dim
+        self.shadow = ShadowRows(cfg, max_reqs, width, dtype, device)
+        cache = vllm_config.cache_config
+        budget = getattr(cache, "kv_cache_memory_bytes", None)
+        if budget is not None:
+            if budget <= self.shadow.nbytes:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={budget} cannot hold the windows' {self.shadow.nbytes} bytes for this"
+                    f" layer ({max_reqs} requests, max_num_seqs); raise it or lower max_num_seqs"
+                )
+            cache.kv_cache_memory_bytes = budget - self.shadow.nbytes
+        msg = (f"quantmla windows: sink {cfg.sink} + recent {cfg.recent} tokens of each request unquantised;"
+               f" {self.shadow.nbytes / 2**20:.2f} MiB a layer for {max_reqs} requests (max_num_seqs), taken off"
+               " the KV budget")  # fmt: skip
+        if msg not in _LOGGED:
+            _LOGGED.add(msg)
+            logger.info(msg)
+
+    def _read(self, pages: torch.Tensor):
+        def read(slots: torch.Tensor) -> torch.Tensor:
+            c, r = self.layout.unpack(self.layout.read_slots(pages, slots), self.shadow.rows.dtype)
+            return torch.cat([c, r], dim=-1)
+
+        return read
+
+    def write(self, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
+        """The step's new tokens into their shadows (a step without windows planned, e.g. vLLM's memory
+        profile, writes none)."""
+        step = current_window_step()
+        if step is not None:
+            self.shadow.write(step.pool, slots, c, r)
+
+    def decode_window(self, step: WindowStep, pages, block_table, seq_lens):
+        """``(window [B, W, d], window_len, paged_start, n_paged)`` of the step's decode requests."""
+        return self.shadow.window(step.pool, pages, self._read(pages), block_table, seq_lens)

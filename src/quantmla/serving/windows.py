@@ -1,0 +1,201 @@
+"""The sink and recent windows inside a paged engine: BF16 shadows of the tokens in some window.
+
+:class:`~quantmla.cache.QuantizedLatentCache` reads each sequence's first ``sink`` tokens and its last
+``recent`` tokens unquantised and every other token as stored. An engine's page holds one record a
+token, written once, so the plugin keeps the unquantised copy of the window tokens beside the pages:
+
+* a pool of **sub-pages** of :data:`SUB` slots (a slot's sub-page is ``slot // SUB``; a vLLM block of
+  64 tokens has 4). :class:`WindowPool` maps sub-pages to shadow sub-pages, least recently needed
+  first out. It is planned on the host once per engine step (:meth:`WindowPool.plan`): every
+  sub-page that holds a window position of a request in the step, after the step's tokens, gets a
+  shadow before the tokens are written. The pool holds :meth:`WindowConfig.subpages_per_request`
+  sub-pages per request the engine may run at once, so a step always fits;
+* per layer, the shadow rows themselves (:class:`ShadowRows`, the model's dtype). Every write to a
+  slot whose sub-page has a shadow also lands in the shadow and marks its row valid; a shadow newly
+  given to a sub-page starts with every row invalid. A valid row therefore always holds the slot's
+  current token as computed.
+
+A window position whose row is not valid reads the record as stored and counts as a miss
+(:attr:`WindowPool.misses`). That happens only for tokens another request wrote before this one
+needed them (a prefix-cache hit), or when a running request that was not scheduled for many steps lost
+its shadows to newer ones; everything else is the exact policy, token for token.
+
+The step's decode attends positions ``[sink, n - recent)`` from the pages and the window rows from
+:meth:`ShadowRows.window` (``n`` tokens in the cache after the step). As in ``QuantizedLatentCache``, a
+prefill attends its own new tokens as computed and its context (earlier chunks, prefix hits) as the
+cache holds it, windows relative to the end of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: slots per shadow sub-page (vLLM's CPU block; a divisor of every block size the plugin takes)
+SUB = 16
+
+
+@dataclass(frozen=True)
+class WindowConfig:
+    """``sink`` first and ``recent`` last tokens of each request read unquantised (0, 0: none)."""
+
+    sink: int = 4
+    recent: int = 128
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 0 or self.sink > 4096 or self.recent > 4096:
+            raise ValueError(f"windows (sink={self.sink}, recent={self.recent}): each must be 0..4096")
+
+    @property
+    def width(self) -> int:
+        return self.sink + self.recent
+
+    @property
+    def enabled(self) -> bool:
+        return self.width > 0
+
+    @property
+    def subpages_per_request(self) -> int:
+        """Sub-pages one request's windows can touch: the sinks' plus the recent window's at any offset."""
+        return -(-self.sink // SUB) + (-(-self.recent // SUB) + 1 if self.recent else 0)
+
+    def shadow_rows(self, max_requests: int) -> int:
+        """Shadow rows of a pool for ``max_requests`` requests at once (without the scratch row)."""
+        return self.subpages_per_request * max_requests * SUB
+
+
+def window_positions(seq_lens: torch.Tensor, cfg: WindowConfig):
+    """Window positions of requests with ``seq_lens [B]`` tokens in the cache.
+
+    Returns ``pos [B, W]`` (long, ``W = sink + recent``: the sinks, then the recent window, in order),
+    ``ok [B, W]`` (the position exists: a request of ``n <= W`` tokens has all ``n`` in its window,
+    first), and the paged range ``[paged_start, n_paged)`` (int32 ``[B]``) read as stored.
+    """
+    w = cfg.width
+    n = seq_lens.long()[:, None]
+    k = torch.arange(w, device=seq_lens.device)[None, :]
+    long_ = n > w
+    pos = torch.where(long_ & (k >= cfg.sink), n - w + k, k)
+    ok = pos < n
+    paged_start = torch.where(long_[:, 0], cfg.sink, 0).int()
+    n_paged = torch.where(long_[:, 0], n[:, 0] - cfg.recent, 0).int()
+    return pos, ok, paged_start, n_paged
+
+
+class WindowPool:
+    """Which sub-pages have a shadow, for all layers of one engine (shadow rows: :class:`ShadowRows`).
+
+    ``num_slots``: the engine's token slots (``num_blocks * block_size``); ``max_requests``: requests it
+    runs at once (vLLM's ``max_num_seqs``).
+    """
+
+    def __init__(self, cfg: WindowConfig, num_slots: int, max_requests: int, device) -> None:
+        if not cfg.enabled:
+            raise ValueError("a window pool needs sink + recent > 0")
+        self.cfg = cfg
+        self.subpages = cfg.subpages_per_request * max_requests
+        self.trash = self.subpages * SUB  # the scratch row: writes to slots without a shadow land there
+        keys = -(-num_slots // SUB)
+        self._shadow_of = np.full(keys, -1, dtype=np.int64)  # sub-page -> shadow sub-page (host)
+        self._owner = np.full(self.subpages, -1, dtype=np.int64)
+        self._last = np.full(self.subpages, -1, dtype=np.int64)  # step it was last needed
+        self._step = 0
+        self.map = torch.full((keys,), -1, dtype=torch.int32, device=device)
+        self.valid = torch.zeros(self.trash + 1, dtype=torch.bool, device=device)
+        self.misses = torch.zeros((), dtype=torch.int64, device=device)
+
+    def needed(self, block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+        """Sub-pages (unique) holding the window positions of requests with these host block tables and
+        lengths after the step."""
+        pos, ok, _, _ = window_positions(torch.from_numpy(seq_lens), self.cfg)
+        pos, ok = pos.numpy(), ok.numpy()
+        col = np.minimum(pos // block_size, block_table.shape[1] - 1)
+        blocks = np.take_along_axis(block_table.astype(np.int64), col, axis=1)
+        return np.unique(((blocks * block_size + pos % block_size) // SUB)[ok])
+
+    def plan(self, block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> None:
+        """Give a shadow to every sub-page this step needs (host block tables ``[B, pages]`` and lengths
+        after the step ``[B]``); evicts the least recently needed. Updates :attr:`map` and :attr:`valid`."""
+        keys = self.needed(block_table, seq_lens, block_size)
+        if keys.size and keys[-1] >= self._shadow_of.size:
+            raise ValueError(f"slot sub-page {keys[-1]} beyond the {self._shadow_of.size} the pool was built for")
+        step = self._step
+        self._step += 1
+        sh = self._shadow_of[keys]
+        self._last[sh[sh >= 0]] = step
+        missing = keys[sh < 0]
+        if missing.size == 0:
+            return
+        order = np.argsort(self._last, kind="stable")
+        free = order[self._last[order] < step][: missing.size]
+        if free.size < missing.size:
+            raise RuntimeError(
+                f"the window pool ({self.subpages} sub-pages) cannot hold this step's {keys.size}: more requests"
+                " at once than it was sized for"
+            )
+        old = self._owner[free]
+        old = old[old >= 0]
+        self._shadow_of[old] = -1
+        self._owner[free] = missing
+        self._shadow_of[missing] = free
+        self._last[free] = step
+        dev = self.map.device
+        changed = torch.from_numpy(np.concatenate([old, missing])).to(dev)
+        self.map[changed] = torch.from_numpy(self._shadow_of[np.concatenate([old, missing])]).to(dev, torch.int32)
+        rows = torch.from_numpy((free[:, None] * SUB + np.arange(SUB)).ravel()).to(dev)
+        self.valid[rows] = False
+
+    def rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shadow rows of ``slots`` (any shape, -1 for none) and whether they have one (else the scratch row)."""
+        sh = self.map[slots.clamp_min(0) // SUB].long()
+        good = (slots >= 0) & (sh >= 0)
+        return torch.where(good, sh * SUB + slots % SUB, self.trash), good
+
+
+class ShadowRows:
+    """One layer's shadow rows ``[rows + 1, d_c + d_r]`` (the last: scratch), in the model's dtype."""
+
+    def __init__(self, cfg: WindowConfig, max_requests: int, width: int, dtype: torch.dtype, device=None) -> None:
+        self.cfg = cfg
+        self.rows = torch.zeros(cfg.shadow_rows(max_requests) + 1, width, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def write(self, pool: WindowPool, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
+        """Store the new tokens ``c [N, d_c]``, ``r [N, d_r]`` of ``slots [N]`` in their shadows (if any)."""
+        rows, _ = pool.rows_of(slots.long())
+        self.rows[rows] = torch.cat([c, r.reshape(r.shape[0], -1)], dim=-1).to(self.rows.dtype)
+        pool.valid[rows] = True  # the scratch row's flag too: readers check that a row has a shadow first
+
+    def lookup(self, pool: WindowPool, slots: torch.Tensor, wanted: torch.Tensor, stored):
+        """Tokens of ``slots`` (any shape): the shadow where ``wanted`` and valid, else ``stored()``
+        (``[*slots.shape, d]``, the records as stored; on CPU called only when some row needs it).
+        Counts the wanted rows that had to read the record in :attr:`WindowPool.misses`."""
+        rows, good = pool.rows_of(slots)
+        have = good & pool.valid[rows] & wanted
+        pool.misses += (wanted & ~have).sum()
+        x = self.rows[rows]
+        if x.device.type == "cpu" and bool(have.all()):  # no record to read (no graphs to keep on CPU)
+            return x
+        return torch.where(have[..., None], x, stored().to(x.dtype))
+
+    def window(self, pool: WindowPool, pages: torch.Tensor, read, block_table: torch.Tensor, seq_lens: torch.Tensor):
+        """The decode window of each request: ``(win [B, W, d], win_len [B] int32, paged_start, n_paged)``.
+
+        ``pages [num_blocks, block_size, ...]`` and ``read(slots [M]) -> [M, d]`` (the records as stored)
+        give the fallback for rows without a valid shadow."""
+        pos, ok, paged_start, n_paged = window_positions(seq_lens, self.cfg)
+        bs = pages.shape[1]
+        col = (pos // bs).clamp_max(block_table.shape[1] - 1)
+        slots = torch.where(ok, block_table.long().gather(1, col) * bs + pos % bs, -1)
+        b, w = slots.shape
+
+        def stored():
+            return read(slots.clamp_min(0).flatten()).view(b, w, -1)
+
+        win = self.lookup(pool, slots, ok, stored).masked_fill(~ok[..., None], 0.0)  # rows past n: unwritten bytes
+        return win, ok.sum(1).int(), paged_start, n_paged

@@ -1,0 +1,158 @@
+"""The sink and recent windows in paged pages: the shadow pool against the exact policy (no vLLM needed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from quantmla.serving.paged_decode import paged_decode
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.windows import SUB, ShadowRows, WindowConfig, WindowPool, window_positions
+
+DC, DR, H = 64, 32, 4
+
+
+def test_window_positions_short_and_long():
+    cfg = WindowConfig(4, 8)
+    pos, ok, start, n_paged = window_positions(torch.tensor([5, 12, 30]), cfg)
+    assert pos[0, :5].tolist() == [0, 1, 2, 3, 4] and ok[0].tolist() == [True] * 5 + [False] * 7
+    assert pos[1].tolist() == list(range(12)) and bool(ok[1].all())  # n = sink + recent: all in the window
+    assert pos[2].tolist() == [0, 1, 2, 3, *range(22, 30)] and bool(ok[2].all())
+    assert start.tolist() == [0, 0, 4] and n_paged.tolist() == [0, 0, 22]
+
+
+def test_subpages_per_request_cover_any_alignment():
+    assert WindowConfig(4, 128).subpages_per_request == 1 + 9
+    assert WindowConfig(0, 16).subpages_per_request == 2 and WindowConfig(17, 0).subpages_per_request == 2
+
+
+class Engine:
+    """A paged engine in miniature: requests get blocks from a shuffled free list, write their tokens
+    each step (records and shadows) and decode through the windows."""
+
+    def __init__(self, cfg, block_size=32, num_blocks=48, max_reqs=3, scheme="c4r4", seed=0):
+        self.cfg, self.bs = cfg, block_size
+        self.layout = RecordLayout(scheme, DC, DR, 32)
+        self.pages = torch.zeros(num_blocks, block_size, self.layout.record_bytes, dtype=torch.uint8)
+        self.pool = WindowPool(cfg, num_blocks * block_size, max_reqs, "cpu")
+        self.shadow = ShadowRows(cfg, max_reqs, DC + DR, torch.float32)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, torch.Tensor] = {}  # every token as computed, per request
+
+    def step(self, grow: dict[int, int]) -> None:
+        """Requests ``rid`` add ``grow[rid]`` tokens this step (a new ``rid``: its prefill)."""
+        for rid, k in grow.items():
+            have = self.tokens.get(rid, torch.empty(0, DC + DR))
+            new = torch.randn(k, DC + DR, generator=self.gen)
+            self.tokens[rid] = torch.cat([have, new])
+            while len(self.tables.setdefault(rid, [])) * self.bs < len(self.tokens[rid]):
+                self.tables[rid].append(int(self.free.pop()))
+        rids = list(grow)
+        table, seq = self.table(rids)
+        self.pool.plan(table.numpy(), seq.numpy(), self.bs)
+        for rid, k in grow.items():
+            n = len(self.tokens[rid])
+            pos = torch.arange(n - k, n)
+            slots = torch.tensor(self.tables[rid])[pos // self.bs] * self.bs + pos % self.bs
+            c, r = self.tokens[rid][-k:].split([DC, DR], dim=-1)
+            self.layout.write_pages(self.pages, slots, c, r)
+            self.shadow.write(self.pool, slots, c, r)
+
+    def finish(self, rid: int) -> None:
+        self.free.extend(self.tables.pop(rid))
+        self.tokens.pop(rid)
+
+    def table(self, rids):
+        width = max(len(self.tables[r]) for r in rids)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in rids], dtype=torch.int32)
+        return table, torch.tensor([len(self.tokens[r]) for r in rids])
+
+    def read(self, slots):
+        c, r = self.layout.unpack(self.layout.read_slots(self.pages, slots))
+        return torch.cat([c, r], dim=-1)
+
+    def decode(self, rids, q_nope, q_pe):
+        table, seq = self.table(rids)
+        win, win_len, start, n_paged = self.shadow.window(self.pool, self.pages, self.read, table, seq)
+        return paged_decode(q_nope, q_pe, self.pages, self.layout, table, n_paged, 0.1, window=win,
+                            window_len=win_len, paged_start=start)  # fmt: skip
+
+    def reference(self, rid, q_nope, q_pe):
+        """float64 attention of one query over the policy's view of request ``rid``."""
+        x = self.tokens[rid]
+        n = len(x)
+        c, r = x.split([DC, DR], dim=-1)
+        sc, sr = self.layout.unpack(self.layout.pack(c, r))
+        stored = torch.cat([sc, sr], dim=-1)
+        j = torch.arange(n)
+        keep = (j < self.cfg.sink) | (j >= n - self.cfg.recent)
+        kv = torch.where(keep[:, None], x, stored).double()
+        s = (q_nope.double() @ kv[:, :DC].T + q_pe.double() @ kv[:, DC:].T) * 0.1
+        return torch.softmax(s, -1) @ kv[:, :DC]
+
+
+@pytest.mark.parametrize(("sink", "recent", "bs"), [(4, 24, 32), (4, 40, 16), (0, 16, 64), (3, 0, 32)])
+def test_decode_through_the_shadows_is_the_exact_policy(sink, recent, bs):
+    eng = Engine(WindowConfig(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
+    eng.step({0: 5, 1: 70, 2: 33})  # prefills: shorter and longer than the windows
+    for t in range(40):
+        grow = {0: 1, 1: 1, 2: 1} if t != 20 else {0: 1, 1: 1, 2: 1, 3: 50}  # a prefill joins mid-way
+        eng.step(grow)
+        rids = list(grow)
+        q_nope, q_pe = torch.randn(len(rids), H, DC), torch.randn(len(rids), H, DR)
+        got = eng.decode(rids, q_nope, q_pe)
+        for i, rid in enumerate(rids):
+            want = eng.reference(rid, q_nope[i], q_pe[i])
+            torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+    assert int(eng.pool.misses) == 0
+
+
+def test_the_reference_tells_the_windows_apart():
+    """The check above fails if the windows were read as stored (so it can catch a broken plan)."""
+    eng = Engine(WindowConfig(4, 24))
+    eng.step({0: 60})
+    q_nope, q_pe = torch.randn(1, H, DC), torch.randn(1, H, DR)
+    eng.shadow.rows.zero_()
+    eng.pool.valid.zero_()  # every window row now falls back to its record
+    got = eng.decode([0], q_nope, q_pe)[0].double()
+    assert (got - eng.reference(0, q_nope[0], q_pe[0])).abs().max() > 1e-3
+    assert int(eng.pool.misses) == 28
+
+
+def test_finished_requests_give_their_shadows_to_new_ones():
+    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=96)
+    for wave in range(6):  # 12 requests through a pool sized for 2 at once
+        a, b = 2 * wave, 2 * wave + 1
+        eng.step({a: 40, b: 9})
+        for _ in range(10):
+            eng.step({a: 1, b: 1})
+        q_nope, q_pe = torch.randn(2, H, DC), torch.randn(2, H, DR)
+        got = eng.decode([a, b], q_nope, q_pe)
+        for i, rid in enumerate((a, b)):
+            torch.testing.assert_close(got[i].double(), eng.reference(rid, q_nope[i], q_pe[i]), atol=2e-5, rtol=2e-5)
+        eng.finish(a)
+        eng.finish(b)
+    assert int(eng.pool.misses) == 0
+
+
+def test_a_pool_too_small_for_the_step_is_an_error():
+    eng = Engine(WindowConfig(4, 24), max_reqs=1)
+    with pytest.raises(RuntimeError, match="more requests at once than it was sized for"):
+        eng.step({0: 40, 1: 40})
+
+
+def test_an_evicted_shadow_reads_as_stored_and_counts_as_a_miss():
+    eng = Engine(WindowConfig(0, SUB), block_size=16, max_reqs=1, num_blocks=32)
+    eng.step({0: 20})  # request 0: its window needs 2 sub-pages, all the pool has
+    eng.step({1: 20})  # request 1 takes both while 0 waits
+    q_nope, q_pe = torch.randn(1, H, DC), torch.randn(1, H, DR)
+    eng.decode([0], q_nope, q_pe)
+    assert int(eng.pool.misses) == SUB  # request 0's window rows read their records
+    # back in the batch: its sub-pages get shadows again, taken from request 1; the rows request 1 wrote there
+    # must not pass for request 0's (only its new token's row is valid)
+    eng.pool.misses.zero_()
+    eng.step({0: 1})
+    got = eng.decode([0], q_nope, q_pe)
+    assert int(eng.pool.misses) == SUB - 1
+    assert torch.isfinite(got).all()
