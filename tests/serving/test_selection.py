@@ -50,3 +50,35 @@ def test_sources_must_agree(tmp_path):
 def test_bad_requests_name_the_valid_values(extra, env, msg):
     with pytest.raises(ValueError, match=msg):
         select(extra, None, environ=env)
+
+
+def test_windows_default_to_the_cache_policy_and_follow_the_sources(tmp_path):
+    assert select({"quantmla": {"scheme": "c4r4"}}, None, environ={}).windows == (4, 128)
+    assert select({"quantmla": {"scheme": "c4r4", "windows": [0, 0]}}, None, environ={}).windows == (0, 0)
+    env = {"QUANTMLA_SCHEME": "c2r4", "QUANTMLA_WINDOWS": "8,64"}
+    assert select(None, None, environ=env).windows == (8, 64)
+    meta = {"format": 1, "scheme": "c4r4", "method": "quantmla", "group_size": 64, "sink": 2, "recent": 32}
+    write_meta(tmp_path, meta)
+    assert select({}, str(tmp_path), environ={}).windows == (2, 32)
+
+
+def test_windows_given_twice_must_agree(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"QUANTMLA_SCHEME asks for windows \[0, 0\] but .*quantmla.json for \[4, 128\]"
+    ):
+        select({"quantmla": {"scheme": "c4r4"}}, _export(tmp_path), environ={"QUANTMLA_SCHEME": "c4r4",
+               "QUANTMLA_WINDOWS": "0,0"})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "msg"),
+    [
+        ({"quantmla": {"scheme": "c4r4", "windows": 4}}, {}, r"give \[sink, recent\]"),
+        ({"quantmla": {"scheme": "c4r4", "windows": [4]}}, {}, r"give \[sink, recent\]"),
+        ({"quantmla": {"scheme": "c4r4", "windows": [4, -1]}}, {}, r"give \[sink, recent\]"),
+        ({}, {"QUANTMLA_SCHEME": "c4r4", "QUANTMLA_WINDOWS": "4;128"}, "give 'sink,recent'"),
+    ],
+)
+def test_bad_windows_name_the_form(extra, env, msg):
+    with pytest.raises(ValueError, match=msg):
+        select(extra, None, environ=env)
