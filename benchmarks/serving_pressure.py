@@ -253,11 +253,11 @@ def decode_step_gpu(args) -> list[dict]:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     from quantmla.kernels import PagedLatentStore, PagedLayout
-    from quantmla.kernels.decode import mla_decode
+    from quantmla.kernels.decode import ShadowWindow, mla_decode
     from quantmla.kernels.write import write_records
     from quantmla.serving.kernel_pages import KernelPages
     from quantmla.serving.records import RecordLayout
-    from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool, window_positions
+    from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
     def timed(fn) -> float:
         """Median µs of one call, replayed from a CUDA graph of 10 calls (no launch overhead: the engine
@@ -304,27 +304,18 @@ def decode_step_gpu(args) -> list[dict]:
             store = KernelPages(pg, lay)
             row[f"{scheme}_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store, table, lens,
                                                           0.1))  # fmt: skip
-            if scheme != "bf16":  # the engine's step with windows (4 + 128): gather the window rows, then decode
+            if scheme != "bf16":  # the engine's step with windows (4 + 128): the kernel reads the rows in place
                 wcfg = WindowConfig(4, 128)
                 pool = WindowPool(wcfg, b * pages * bs, b, dev)
-                pool.plan(table.cpu().numpy(), lens.cpu().numpy(), bs)
+                pool.plan(table.cpu().numpy(), lens.cpu().numpy(), lens.cpu().numpy(), bs)
                 shadow = ShadowRows(wcfg, b, 576, torch.bfloat16, dev)
-                pos, ok, _, _ = window_positions(lens, wcfg)
-                wslots = (table.long().gather(1, pos // bs) * bs + pos % bs)[ok]
-                shadow.write(pool, wslots, c[wslots], r[wslots])
-
-                def read(sl, lay=lay, pg=pg):
-                    cc, rr = lay.unpack(lay.read_slots(pg, sl), torch.bfloat16)
-                    return torch.cat([cc, rr], -1)
-
-                def windowed(store=store, pool=pool, shadow=shadow, read=read, pg=pg, table=table, lens=lens, q=q):
-                    rows, count, start, n_paged = shadow.window(pool, pg, read, table, lens)
-                    return mla_decode(q[..., :512], q[..., 512:], store, table, n_paged, 0.1, rows, count,
-                                      paged_start=start)  # fmt: skip
-
-                row[f"{scheme}_windows_us"] = timed(windowed)
-                assert int(pool.misses) == 0
-                del pool, shadow
+                write_records(lay, pg, torch.arange(b * pages * bs, device=dev), c, r, shadow_rows=shadow.rows,
+                              shadow_map=pool.map)  # fmt: skip
+                win = ShadowWindow(shadow.rows, pool.map, 4, 128)
+                row[f"{scheme}_windows_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store,
+                                                                      table, lens, 0.1, shadow=win))  # fmt: skip
+                assert pool.misses == 0
+                del pool, shadow, win
             del pg, store
         own = PagedLatentStore(PagedLayout(4, 4, page_size=bs), b * pages, dev)  # the kernels' own arrays
         own.write(torch.arange(b * pages, device=dev).repeat_interleave(bs), torch.arange(bs, device=dev).repeat(
@@ -368,7 +359,7 @@ def report(rows: list[dict], steps: list[dict], out: Path) -> None:
             print(f"| {s['B']} | {s['L']} | {s['H']} | {s['vllm_fa3_us']:.1f} | {s['bf16_us']:.1f} |"
                   f" {s['c4r4_us']:.1f} | {s['c2r4_us']:.1f} | {s['vllm_fa3_us'] / s['c4r4_us']:.2f}x |")  # fmt: skip
         if "c4r4_windows_us" in steps[0]:
-            print("\n| B | L | c4r4 µs | c4r4 + windows (gather + window split) µs | c2r4 µs | c2r4 + windows µs |"
+            print("\n| B | L | c4r4 µs | c4r4 + windows (rows read in place) µs | c2r4 µs | c2r4 + windows µs |"
                   " c4r4 + windows vs FA3 |")  # fmt: skip
             print("|---|---|---|---|---|---|---|")
             for s in steps:

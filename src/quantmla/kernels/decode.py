@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -96,10 +97,18 @@ def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
 
 
 @triton.jit
-def _split_pages(NPAGED, KSTART, b, split, NS, PAGE: tl.constexpr):
-    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split."""
-    n = tl.load(NPAGED + b)
-    kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
+def _split_pages(NPAGED, KSTART, b, split, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr):
+    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split. With shadow
+    windows (``WS + WR > 0``: sinks and recent window read from the shadows), ``NPAGED`` holds each
+    sequence's length and the pages cover ``[WS, n - WR)`` of a sequence longer than ``WS + WR``."""
+    if WS + WR > 0:
+        total = tl.load(NPAGED + b)
+        long_ = total > WS + WR
+        n = tl.where(long_, total - WR, 0)
+        kstart = tl.where(long_, WS, 0)
+    else:
+        n = tl.load(NPAGED + b)
+        kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
     npages = tl.cdiv(n, PAGE)
     per = tl.cdiv(npages, NS)
     p0 = split * per
@@ -125,7 +134,7 @@ def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, P
 def _paged_kernel(
     Q, QR, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
 ):  # fmt: skip
     """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next."""
     b = tl.program_id(0)
@@ -137,7 +146,7 @@ def _paged_kernel(
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -189,6 +198,63 @@ def _window_kernel(
             q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
         )
     _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
+
+
+@triton.jit
+def _shadow_window_kernel(
+    Q, QR, ROWS, MAP, BT, SEQ, OP, LP, H, MAXP, NS, TRASH, scale_log2,
+    DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
+    WR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """The sinks and recent window of each sequence read in place from its shadow rows (split ``NS``):
+    window position ``k`` of a sequence of ``n`` tokens is ``k`` (a sink, or every token when
+    ``n <= WS + WR``) or ``n - WS - WR + k``; its slot's sub-page (``slot // SUB``) maps to a shadow
+    sub-page through ``MAP``."""
+    b = tl.program_id(0)
+    hg = tl.program_id(2)
+    PL: tl.constexpr = DC // 4
+    RPL: tl.constexpr = DR // 2
+    W: tl.constexpr = WS + WR
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
+    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
+    n = tl.load(SEQ + b)
+    hl = tl.minimum(n, W)
+    for t0 in range(0, hl, BLOCK_T):
+        k = t0 + tl.arange(0, BLOCK_T)
+        tmask = k < hl
+        pos = tl.where((n > W) & (k >= WS), n - W + k, k)
+        pos = tl.where(tmask, pos, 0)
+        blk = tl.load(BT + b * MAXP + pos // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = blk * PAGE + pos % PAGE
+        sh = tl.load(MAP + slot // SUB, mask=tmask, other=-1).to(tl.int64)
+        row = tl.where(sh >= 0, sh * SUB + slot % SUB, TRASH)
+        c0, c1, c2, c3, r0, r1 = _load_bf16_rows(ROWS + row * (DC + DR), tmask, DC, PL, RPL)
+        m_i, l_i, a0, a1, a2, a3 = _attend(
+            q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
+        )
+    _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
+
+
+@dataclass(frozen=True)
+class ShadowWindow:
+    """Each sequence's first ``sink`` and last ``recent`` tokens in BF16 shadow rows, read in place by
+    :func:`mla_decode`: ``rows [N + 1, d_c + d_r]`` (bf16; the last, scratch) and ``map`` (int32 ``[slots /
+    sub]``: a slot's sub-page ``slot // sub`` to its shadow sub-page, -1 for none), as
+    :class:`quantmla.serving.windows.WindowPool` keeps them."""
+
+    rows: torch.Tensor
+    map: torch.Tensor
+    sink: int
+    recent: int
+    sub: int = 16
+
+    def __post_init__(self) -> None:
+        if self.rows.dtype != torch.bfloat16 or self.rows.dim() != 2 or not self.rows.is_contiguous():
+            raise ValueError(f"shadow rows must be contiguous bfloat16 [N + 1, d], got {self.rows.dtype}")
+        if self.map.dtype != torch.int32 or self.sink < 0 or self.recent < 0 or self.sink + self.recent == 0:
+            raise ValueError("the shadow map must be int32 and sink + recent > 0")
 
 
 @triton.jit
@@ -276,6 +342,7 @@ def mla_decode(
     out_dtype: torch.dtype = torch.bfloat16,
     paged_start: torch.Tensor | None = None,
     window_skip: torch.Tensor | None = None,
+    shadow: ShadowWindow | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -286,6 +353,9 @@ def mla_decode(
             (sinks and recent window) and their count per sequence, joined into the same softmax.
         paged_start / window_skip: ``[B]`` int32; paged tokens before ``paged_start`` and window rows
             before ``window_skip`` are masked out (left padding). Default: nothing masked.
+        shadow: the sinks and recent window read in place from shadow rows (:class:`ShadowWindow`);
+            ``n_paged`` then holds each sequence's whole length, and the pages are read for
+            ``[sink, n - recent)`` only. Not with ``window`` or ``paged_start``.
         num_splits, block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
             :func:`default_num_splits` / :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts
             the default register cap of the paged kernel.
@@ -309,6 +379,8 @@ def mla_decode(
         raise ValueError("block_table [B, max_pages] and n_paged [B] must be int32")
     if (window is None) != (window_len is None):
         raise ValueError("give window and window_len together")
+    if shadow is not None and (window is not None or paged_start is not None or window_skip is not None):
+        raise ValueError("shadow windows replace window, paged_start and window_skip: give one or the other")
     if window is not None and (window.dtype != torch.bfloat16 or window.shape[0] != B or window.shape[-1] != DC + DR):
         raise ValueError(f"window must be bfloat16 [B, cap, {DC + DR}], got {window.dtype} {tuple(window.shape)}")
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
@@ -333,7 +405,8 @@ def mla_decode(
     stages = {} if interpret else {"num_stages": num_stages or tuned["num_stages"]}
     cap = tuned["maxnreg"] if maxnreg is None else (maxnreg or None)
     paged_regs = {"maxnreg": cap} if cap and not interpret else {}
-    nsp = ns + (window is not None)
+    nsp = ns + (window is not None or shadow is not None)
+    ws, wr = (shadow.sink, shadow.recent) if shadow is not None else (0, 0)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
@@ -347,16 +420,24 @@ def mla_decode(
         kernel = _lowbit_kernel[(B, ns, hg)](
             q_lat, q_pe, *views, *(v.stride(0) for v in views), *common,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
-            CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16,
+            CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[(B, ns, hg)](
             q_lat, q_pe, store.content, store.content.stride(0), *common,
-            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, WS=ws, WR=wr,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
+    if shadow is not None:
+        if shadow.rows.shape[1] != DC + DR:
+            raise ValueError(f"shadow rows are {shadow.rows.shape[1]} wide; the queries need {DC + DR}")
+        _shadow_window_kernel[(B, 1, hg)](
+            q_lat, q_pe, shadow.rows, shadow.map, block_table, n_paged, op, lp, H, maxp, ns, shadow.rows.shape[0] - 1,
+            scale_log2, DC=DC, DR=DR, PAGE=lay.page_size, SUB=shadow.sub, WS=ws, WR=wr, BLOCK_T=min(64, block_t),
+            BLOCK_H=block_h, DT=bf16_dt, num_warps=num_warps, **stages,
+        )  # fmt: skip
     if window is not None:
         window = window.contiguous()
         _window_kernel[(B, 1, hg)](

@@ -45,7 +45,8 @@ def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, T: tl.constexpr)
 def _lowbit_kernel(
     Q, QR, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr,
+    BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
+    WR: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,7 +78,7 @@ def _lowbit_kernel(
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PW)
     _, _, a4, a5, a6, a7 = _init_state(BLOCK_H, PW)  # eight output planes
 
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):

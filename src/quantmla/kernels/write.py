@@ -70,10 +70,10 @@ def _pack(code, BITS: tl.constexpr, PLANES: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _write_kernel(
-    C, R, SLOTS, P32, P16, PH, stride_c, stride_r,
+    C, R, SLOTS, P32, P16, PH, stride_c, stride_r, SROWS, SMAP,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, RB: tl.constexpr,
     BS: tl.constexpr, REC: tl.constexpr, CC: tl.constexpr, CSM: tl.constexpr, RC: tl.constexpr,
-    RSM: tl.constexpr, QUANT: tl.constexpr,
+    RSM: tl.constexpr, QUANT: tl.constexpr, SHADOW: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
     slot = tl.load(SLOTS + i)
@@ -101,16 +101,33 @@ def _write_kernel(
             rsm = PH + (page + BS * RSM + off * (4 * ngr)) // 2 + 2 * tl.arange(0, ngr)
             tl.store(rsm, rsc)
             tl.store(rsm + 1, rmn)
+            if SHADOW:  # the token in BF16 into its shadow row, if its sub-page has one
+                sh = tl.load(SMAP + slot // SUB).to(tl.int64)
+                if sh >= 0:
+                    srow = SROWS + (sh * SUB + slot % SUB) * (DC + DR)
+                    tl.store(srow + tl.arange(0, DC), _bf16_bits(c))
+                    tl.store(srow + DC + tl.arange(0, DR), _bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
             row = P16 + (page + off * REC) // 2
             tl.store(row + tl.arange(0, DC), _bf16_bits(c))
             tl.store(row + DC + tl.arange(0, DR), _bf16_bits(r))
 
 
-def write_records(layout: RecordLayout, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor):
+def write_records(
+    layout: RecordLayout,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    c: torch.Tensor,
+    r: torch.Tensor,
+    shadow_rows: torch.Tensor | None = None,
+    shadow_map: torch.Tensor | None = None,
+    sub: int = 16,
+):
     """:meth:`RecordLayout.write_pages` in one launch for ``bf16``, ``c4r4`` and ``c2r4``: tokens
     ``c [N, d_c]``, ``r [N, d_r]`` (rows may be strided) into field-major ``pages`` at ``slots [N]``
-    (``< 0``: skipped)."""
+    (``< 0``: skipped). With ``shadow_rows`` (bf16 ``[rows, d_c + d_r]``) and ``shadow_map`` (int32, a
+    slot's sub-page ``slot // sub`` to its shadow sub-page or -1), a quantised scheme's tokens also go
+    to their shadow rows in BF16 (:meth:`quantmla.serving.windows.ShadowRows.write`)."""
     s = layout.cache_scheme
     quant = "bf16" not in layout.fields
     if quant and not (s.content.bits in (2, 4) and s.rope.bits == 4 and s.content.kind == s.rope.kind == "int"):
@@ -126,11 +143,16 @@ def write_records(layout: RecordLayout, pages: torch.Tensor, slots: torch.Tensor
     off = {k: f[k][0] if k in f else 0 for k in ("c_codes", "c_sm", "r_codes", "r_sm")}
     if quant and (layout.kv_lora_rank % CONTENT_PLANES or layout.rope_dim % ROPE_PLANES):
         raise ValueError("the fused write needs d_c divisible by 8 and d_r by 4")
+    shadow = shadow_rows is not None
+    if shadow and (shadow_map is None or not quant or shadow_rows.dtype != torch.bfloat16
+                   or shadow_map.dtype != torch.int32 or not shadow_rows.is_contiguous()):  # fmt: skip
+        raise ValueError("shadow rows (contiguous bfloat16) need an int32 map and a quantised scheme")
     _write_kernel[(n,)](
         c, r, slots, pages.view(torch.int32), pages.view(torch.int16), pages.view(torch.float16),
-        c.stride(0), r.stride(0),
+        c.stride(0), r.stride(0), shadow_rows.view(torch.int16) if shadow else slots,
+        shadow_map if shadow else slots,
         DC=layout.kv_lora_rank, DR=layout.rope_dim, G=layout.group_size,
         CB=s.content.bits if quant else 16, RB=s.rope.bits if quant else 16,
         BS=pages.shape[1], REC=layout.record_bytes, CC=off["c_codes"], CSM=off["c_sm"], RC=off["r_codes"],
-        RSM=off["r_sm"], QUANT=quant, num_warps=4,
+        RSM=off["r_sm"], QUANT=quant, SHADOW=shadow, SUB=sub, num_warps=4,
     )  # fmt: skip

@@ -11,14 +11,16 @@ token, written once, so the plugin keeps the unquantised copy of the window toke
   shadow before the tokens are written. The pool holds :meth:`WindowConfig.subpages_per_request`
   sub-pages per request the engine may run at once, so a step always fits;
 * per layer, the shadow rows themselves (:class:`ShadowRows`, the model's dtype). Every write to a
-  slot whose sub-page has a shadow also lands in the shadow and marks its row valid; a shadow newly
-  given to a sub-page starts with every row invalid. A valid row therefore always holds the slot's
-  current token as computed.
+  slot whose sub-page has a shadow also lands in the shadow.
 
-A window position whose row is not valid reads the record as stored and counts as a miss
-(:attr:`WindowPool.misses`). That happens only for tokens another request wrote before this one
-needed them (a prefix-cache hit), or when a running request that was not scheduled for many steps lost
-its shadows to newer ones; everything else is the exact policy, token for token.
+The plan also knows, on the host, which shadow rows hold their slot's current token (a row becomes
+valid when the step that writes its slot has the shadow in place, and invalid when the shadow changes
+hands). Every window position of the step then reads a valid row: one that is not is **repaired**
+before the step, from the record as stored, in every layer (:meth:`WindowPool.register`), and counted
+in :attr:`WindowPool.misses`. That happens only for tokens another request wrote before this one needed
+them (a prefix-cache hit), or when a running request that was not scheduled for many steps lost its
+shadows to newer ones; everything else is the exact policy, token for token. The decode reads the
+rows through the map alone (no validity check on the device).
 
 The step's decode attends positions ``[sink, n - recent)`` from the pages and the window rows from
 :meth:`ShadowRows.window` (``n`` tokens in the cache after the step). As in ``QuantizedLatentCache``, a
@@ -101,24 +103,31 @@ class WindowPool:
         self._shadow_of = np.full(keys, -1, dtype=np.int64)  # sub-page -> shadow sub-page (host)
         self._owner = np.full(self.subpages, -1, dtype=np.int64)
         self._last = np.full(self.subpages, -1, dtype=np.int64)  # step it was last needed
+        self._valid = np.zeros(self.trash, dtype=bool)  # the row holds its slot's current token
         self._step = 0
+        self._repairers: dict[int, object] = {}
+        self.misses = 0  # window rows repaired from their records (read as stored)
         self.map = torch.full((keys,), -1, dtype=torch.int32, device=device)
-        self.valid = torch.zeros(self.trash + 1, dtype=torch.bool, device=device)
-        self.misses = torch.zeros((), dtype=torch.int64, device=device)
 
-    def needed(self, block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
-        """Sub-pages (unique) holding the window positions of requests with these host block tables and
-        lengths after the step."""
-        pos, ok, _, _ = window_positions(torch.from_numpy(seq_lens), self.cfg)
+    def register(self, key: int, repair) -> None:
+        """``repair(rows, slots)`` (device long tensors) copies the records of ``slots`` as stored into the
+        shadow ``rows`` of one layer; called from :meth:`plan` for the rows that need it."""
+        self._repairers[key] = repair
+
+    def _rows(self, slots: np.ndarray) -> np.ndarray:
+        sh = self._shadow_of[slots // SUB]
+        return np.where(sh >= 0, sh * SUB + slots % SUB, -1)
+
+    def plan(self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, block_size: int) -> int:
+        """Give a shadow to every sub-page this step needs (host block tables ``[B, pages]``, lengths after
+        the step ``[B]`` and tokens the step adds ``[B]``); evicts the least recently needed, updates
+        :attr:`map` and repairs the window rows that need it. Returns how many were repaired."""
+        pos, ok, _, _ = window_positions(torch.from_numpy(np.asarray(seq_lens)), self.cfg)
         pos, ok = pos.numpy(), ok.numpy()
-        col = np.minimum(pos // block_size, block_table.shape[1] - 1)
-        blocks = np.take_along_axis(block_table.astype(np.int64), col, axis=1)
-        return np.unique(((blocks * block_size + pos % block_size) // SUB)[ok])
-
-    def plan(self, block_table: np.ndarray, seq_lens: np.ndarray, block_size: int) -> None:
-        """Give a shadow to every sub-page this step needs (host block tables ``[B, pages]`` and lengths
-        after the step ``[B]``); evicts the least recently needed. Updates :attr:`map` and :attr:`valid`."""
-        keys = self.needed(block_table, seq_lens, block_size)
+        table = block_table.astype(np.int64)
+        col = np.minimum(pos // block_size, table.shape[1] - 1)
+        wslots = (np.take_along_axis(table, col, axis=1) * block_size + pos % block_size)[ok]
+        keys = np.unique(wslots // SUB)
         if keys.size and keys[-1] >= self._shadow_of.size:
             raise ValueError(f"slot sub-page {keys[-1]} beyond the {self._shadow_of.size} the pool was built for")
         step = self._step
@@ -126,13 +135,33 @@ class WindowPool:
         sh = self._shadow_of[keys]
         self._last[sh[sh >= 0]] = step
         missing = keys[sh < 0]
-        if missing.size == 0:
-            return
+        if missing.size:
+            self._assign(missing, keys.size, step)
+        # the step's new tokens: their rows (where they have one) hold them once the layers have written
+        n, q = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        req = np.repeat(np.arange(n.size), q)
+        new = n[req] - q[req] + (np.arange(req.size) - np.repeat(np.cumsum(q) - q, q))
+        rows = self._rows(table[req, new // block_size] * block_size + new % block_size)
+        self._valid[rows[rows >= 0]] = True
+        wrows = self._rows(wslots)
+        bad = ~self._valid[wrows]
+        if not bad.any():
+            return 0
+        rows, slots = np.unique(np.stack([wrows[bad], wslots[bad]]), axis=1)
+        self._valid[rows] = True
+        self.misses += rows.size
+        dev = self.map.device
+        rows_t, slots_t = torch.from_numpy(rows).to(dev), torch.from_numpy(slots).to(dev)
+        for repair in self._repairers.values():
+            repair(rows_t, slots_t)
+        return int(rows.size)
+
+    def _assign(self, missing: np.ndarray, wanted: int, step: int) -> None:
         order = np.argsort(self._last, kind="stable")
         free = order[self._last[order] < step][: missing.size]
         if free.size < missing.size:
             raise RuntimeError(
-                f"the window pool ({self.subpages} sub-pages) cannot hold this step's {keys.size}: more requests"
+                f"the window pool ({self.subpages} sub-pages) cannot hold this step's {wanted}: more requests"
                 " at once than it was sized for"
             )
         old = self._owner[free]
@@ -141,11 +170,10 @@ class WindowPool:
         self._owner[free] = missing
         self._shadow_of[missing] = free
         self._last[free] = step
+        self._valid[(free[:, None] * SUB + np.arange(SUB)).ravel()] = False
+        changed = np.concatenate([old, missing])
         dev = self.map.device
-        changed = torch.from_numpy(np.concatenate([old, missing])).to(dev)
-        self.map[changed] = torch.from_numpy(self._shadow_of[np.concatenate([old, missing])]).to(dev, torch.int32)
-        rows = torch.from_numpy((free[:, None] * SUB + np.arange(SUB)).ravel()).to(dev)
-        self.valid[rows] = False
+        self.map[torch.from_numpy(changed).to(dev)] = torch.from_numpy(self._shadow_of[changed]).to(dev, torch.int32)
 
     def rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shadow rows of ``slots`` (any shape, -1 for none) and whether they have one (else the scratch row)."""
@@ -169,33 +197,24 @@ class ShadowRows:
         """Store the new tokens ``c [N, d_c]``, ``r [N, d_r]`` of ``slots [N]`` in their shadows (if any)."""
         rows, _ = pool.rows_of(slots.long())
         self.rows[rows] = torch.cat([c, r.reshape(r.shape[0], -1)], dim=-1).to(self.rows.dtype)
-        pool.valid[rows] = True  # the scratch row's flag too: readers check that a row has a shadow first
 
-    def lookup(self, pool: WindowPool, slots: torch.Tensor, wanted: torch.Tensor, stored):
-        """Tokens of ``slots`` (any shape): the shadow where ``wanted`` and valid, else ``stored()``
-        (``[*slots.shape, d]``, the records as stored; on CPU called only when some row needs it).
-        Counts the wanted rows that had to read the record in :attr:`WindowPool.misses`."""
+    def repair(self, read, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rows ``rows`` from the records of ``slots`` as stored (``read(slots) -> [N, d]``)."""
+        self.rows[rows] = read(slots).to(self.rows.dtype)
+
+    def lookup(self, pool: WindowPool, slots: torch.Tensor, wanted: torch.Tensor, stored: torch.Tensor):
+        """Tokens of ``slots`` (any shape): the shadow where ``wanted`` (a window position of the step: its
+        row is valid), else ``stored`` (``[*slots.shape, d]``, the records as stored)."""
         rows, good = pool.rows_of(slots)
-        have = good & pool.valid[rows] & wanted
-        pool.misses += (wanted & ~have).sum()
-        x = self.rows[rows]
-        if x.device.type == "cpu" and bool(have.all()):  # no record to read (no graphs to keep on CPU)
-            return x
-        return torch.where(have[..., None], x, stored().to(x.dtype))
+        return torch.where((good & wanted)[..., None], self.rows[rows], stored.to(self.rows.dtype))
 
-    def window(self, pool: WindowPool, pages: torch.Tensor, read, block_table: torch.Tensor, seq_lens: torch.Tensor):
-        """The decode window of each request: ``(win [B, W, d], win_len [B] int32, paged_start, n_paged)``.
-
-        ``pages [num_blocks, block_size, ...]`` and ``read(slots [M]) -> [M, d]`` (the records as stored)
-        give the fallback for rows without a valid shadow."""
+    def window(self, pool: WindowPool, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
+        """The decode window of each request: ``(win [B, W, d], win_len [B] int32, paged_start, n_paged)``
+        (``pages [num_blocks, block_size, ...]`` for the block size)."""
         pos, ok, paged_start, n_paged = window_positions(seq_lens, self.cfg)
         bs = pages.shape[1]
         col = (pos // bs).clamp_max(block_table.shape[1] - 1)
         slots = torch.where(ok, block_table.long().gather(1, col) * bs + pos % bs, -1)
-        b, w = slots.shape
-
-        def stored():
-            return read(slots.clamp_min(0).flatten()).view(b, w, -1)
-
-        win = self.lookup(pool, slots, ok, stored).masked_fill(~ok[..., None], 0.0)  # rows past n: unwritten bytes
+        rows, _ = pool.rows_of(slots)
+        win = self.rows[rows].masked_fill(~ok[..., None], 0.0)  # rows past n: whatever the scratch row holds
         return win, ok.sum(1).int(), paged_start, n_paged

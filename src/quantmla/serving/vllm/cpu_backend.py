@@ -86,7 +86,7 @@ class QuantMLACPUImpl(CPUMLAImpl):
             slots, c, r = slots[valid], c[valid], r[valid]
         self.layout.write_pages(kv_cache, slots, c, r)
         if self.windows is not None:
-            self.windows.write(slots, c, r)
+            self.windows.write(kv_cache, slots, c, r)
         return None
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):

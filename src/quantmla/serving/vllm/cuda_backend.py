@@ -20,8 +20,8 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   tokens from their shadows;
 * the sink and recent windows of each request are read unquantised from BF16 shadows
   (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder outside the
-  CUDA graph; the decode kernel reads the pages for ``[sink, n - recent)`` and the window rows as one
-  more split of the same softmax.
+  CUDA graph; the fused write also writes the shadow rows, and the decode kernel reads the pages for
+  ``[sink, n - recent)`` and the window rows in place as one more split of the same softmax.
 """
 
 from __future__ import annotations
@@ -129,15 +129,17 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             return None
         slots = slot_mapping.flatten()[: kv_c_normed.shape[0]].long()
         r = k_pe.reshape(k_pe.shape[0], -1)
-        if self.kernel:  # one fused launch (padding slots, -1, skipped)
+        if self.kernel:  # one fused launch (padding slots, -1, skipped), the shadow rows included
             from quantmla.kernels.write import write_records
 
-            write_records(self.layout, kv_cache, slots, kv_c_normed, r)
-        else:
-            safe = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
-            self.layout.write_pages(kv_cache, safe, kv_c_normed, r)
+            step = None if self.windows is None else self.windows.step(kv_cache)
+            shadow = {} if step is None else dict(shadow_rows=self.windows.shadow.rows, shadow_map=step.pool.map)
+            write_records(self.layout, kv_cache, slots, kv_c_normed, r, **shadow)
+            return None
+        safe = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
+        self.layout.write_pages(kv_cache, safe, kv_c_normed, r)
         if self.windows is not None:
-            self.windows.write(slots, kv_c_normed, r)
+            self.windows.write(kv_cache, slots, kv_c_normed, r)
         return None
 
     def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
@@ -159,25 +161,29 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
         q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         dec = attn_metadata.decode
-        win = dict(window=None, window_len=None, paged_start=None)
-        n_paged = dec.seq_lens
-        if self.windows is not None:
-            step = getattr(attn_metadata, "windows", None)
-            if step is None:
-                raise RuntimeError("quantmla windows: a decode step without a window plan")
-            rows, count, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
-                                                                     dec.seq_lens)  # fmt: skip
-            win = dict(window=rows, window_len=count, paged_start=start)
+        step = getattr(attn_metadata, "windows", None)
+        if self.windows is not None and step is None:
+            raise RuntimeError("quantmla windows: a decode step without a window plan")
         if not self.kernel:
+            win, n_paged = {}, dec.seq_lens
+            if self.windows is not None:
+                rows, count, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
+                                                                         dec.seq_lens)  # fmt: skip
+                win = dict(window=rows, window_len=count, paged_start=start)
             out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
                                **win)  # fmt: skip
             return out, None
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
             self._pages = (key, KernelPages(kv_c_and_k_pe_cache, self.layout))
-        if win["window"] is not None:
-            win["window"] = win["window"].to(torch.bfloat16)
-        return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, n_paged.int(), self.scale, **win)
+        shadow = None
+        if self.windows is not None:  # the window rows read in place by the kernel (no gather)
+            from quantmla.kernels.decode import ShadowWindow
+
+            cfg = self.windows.cfg
+            shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
+        return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
+                          shadow=shadow)  # fmt: skip
 
 
 def patch_kv_cache_spec() -> None:
@@ -241,7 +247,7 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
     if gather.windows is not None:
         cfg, end = gather.windows.cfg, gather.ends[seq].long()
         wanted = (pos < cfg.sink) | (pos >= end - cfg.recent)
-        x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, lambda: x)
+        x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, x)
     dst[:n] = x.to(dst.dtype)
 
 

@@ -70,9 +70,16 @@ class WindowPlanning:
         cm = common_attn_metadata
         n = cm.num_reqs
         seq = cm.seq_lens[:n]
-        table = cm.block_table_tensor[:n]
-        self.window_pool.plan(table.cpu().numpy(), seq.cpu().numpy(), self.kv_cache_spec.block_size)
-        md.windows = WindowStep(self.window_pool, seq, cm.query_start_loc[: n + 1])
+        qsl = cm.query_start_loc_cpu[: n + 1].numpy()
+        pool = self.window_pool
+        before = pool.misses
+        pool.plan(cm.block_table_tensor[:n].cpu().numpy(), seq.cpu().numpy(), qsl[1:] - qsl[:-1],
+                  self.kv_cache_spec.block_size)  # fmt: skip
+        if pool.misses > before:
+            logger.warning("quantmla windows: %d window tokens had no unquantised copy (a prefix-cache hit, or a"
+                           " request long unscheduled) and are read as stored; %d so far", pool.misses - before,
+                           pool.misses)  # fmt: skip
+        md.windows = WindowStep(pool, seq, cm.query_start_loc[: n + 1])
         return md
 
 
@@ -115,20 +122,29 @@ class LayerWindows:
             _LOGGED.add(msg)
             logger.info(msg)
 
-    def _read(self, pages: torch.Tensor):
-        def read(slots: torch.Tensor) -> torch.Tensor:
-            c, r = self.layout.unpack(self.layout.read_slots(pages, slots), self.shadow.rows.dtype)
-            return torch.cat([c, r], dim=-1)
+        self._pool: WindowPool | None = None
 
-        return read
+    def read(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The records of ``slots`` as stored, ``[N, d_c + d_r]`` in the shadows' dtype."""
+        c, r = self.layout.unpack(self.layout.read_slots(pages, slots), self.shadow.rows.dtype)
+        return torch.cat([c, r], dim=-1)
 
-    def write(self, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
-        """The step's new tokens into their shadows (a step without windows planned, e.g. vLLM's memory
-        profile, writes none)."""
+    def step(self, pages: torch.Tensor) -> WindowStep | None:
+        """The running step's windows (``None`` in a step without a plan, e.g. vLLM's memory profile); the
+        first step of a pool registers this layer's repair with it."""
         step = current_window_step()
+        if step is not None and step.pool is not self._pool:
+            step.pool.register(id(self), lambda rows, slots: self.shadow.repair(lambda s: self.read(pages, s), rows,
+                                                                                   slots))  # fmt: skip
+            self._pool = step.pool
+        return step
+
+    def write(self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
+        """The step's new tokens into their shadows."""
+        step = self.step(pages)
         if step is not None:
             self.shadow.write(step.pool, slots, c, r)
 
     def decode_window(self, step: WindowStep, pages, block_table, seq_lens):
         """``(window [B, W, d], window_len, paged_start, n_paged)`` of the step's decode requests."""
-        return self.shadow.window(step.pool, pages, self._read(pages), block_table, seq_lens)
+        return self.shadow.window(step.pool, pages, block_table, seq_lens)

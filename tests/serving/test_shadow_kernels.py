@@ -1,0 +1,87 @@
+"""The Triton kernels' side of the windows: the fused write fills the shadow rows as the torch write does,
+and the decode kernel reading the window rows in place equals the torch path and a float64 reference of
+the policy (CPU: Triton's interpreter)."""
+
+import numpy as np
+import pytest
+import torch
+
+from quantmla.kernels.decode import ShadowWindow, mla_decode
+from quantmla.kernels.write import write_records
+from quantmla.serving.kernel_pages import KernelPages
+from quantmla.serving.paged_decode import paged_decode
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DC, DR, BS, H = 128, 64, 32, 16
+LENS = (150, 40, 7)
+
+
+def _engine(scheme: str, cfg: WindowConfig, seed: int = 0):
+    """Three requests written in two steps (prompt, then one token each) by the fused write with shadows."""
+    g = torch.Generator().manual_seed(seed)
+    lay = RecordLayout(scheme, DC, DR, 64)
+    nb = 24
+    pages = torch.zeros(nb, BS, lay.record_bytes, dtype=torch.uint8, device=DEV)
+    pool = WindowPool(cfg, nb * BS, len(LENS), DEV)
+    shadow = ShadowRows(cfg, len(LENS), DC + DR, torch.bfloat16, DEV)
+    ref = ShadowRows(cfg, len(LENS), DC + DR, torch.bfloat16, DEV)  # the torch write, for comparison
+    maxp = -(-max(LENS) // BS)
+    table = torch.randperm(nb - 1, generator=g)[: len(LENS) * maxp].add(1).view(len(LENS), maxp).int().to(DEV)
+    tokens = [(torch.randn(n, DC + DR, generator=g) * 2).bfloat16().to(DEV) for n in LENS]
+    for grow in ([n - 1 for n in LENS], [1] * len(LENS)):
+        done = [len(t) - k for t, k in zip(tokens, grow, strict=True)] if grow[0] == 1 else [0] * len(LENS)
+        seq = np.array([d + k for d, k in zip(done, grow, strict=True)])
+        pool.plan(table.cpu().numpy(), seq, np.array(grow), BS)
+        pos = torch.cat([torch.arange(d, d + k) for d, k in zip(done, grow, strict=True)]).to(DEV)
+        req = torch.cat([torch.full((k,), i) for i, k in enumerate(grow)]).to(DEV)
+        slots = table[req, pos // BS].long() * BS + pos % BS
+        x = torch.stack([tokens[i][p] for i, p in zip(req.tolist(), pos.tolist(), strict=True)])
+        write_records(lay, pages, slots, x[:, :DC], x[:, DC:], shadow_rows=shadow.rows, shadow_map=pool.map)
+        ref.write(pool, slots, x[:, :DC], x[:, DC:])
+    return lay, pages, pool, shadow, ref, table, tokens
+
+
+@pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
+def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
+    _, _, pool, shadow, ref, _, _ = _engine(scheme, WindowConfig(4, 48))
+    used = pool.map[pool.map >= 0].long()
+    rows = (used[:, None] * 16 + torch.arange(16, device=DEV)).flatten()
+    assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
+
+
+@pytest.mark.parametrize(("scheme", "sink", "recent"), [("c4r4", 4, 48), ("c2r4", 4, 48), ("c4r4", 0, 33)])
+def test_decode_reads_the_window_rows_in_place(scheme, sink, recent):
+    cfg = WindowConfig(sink, recent)
+    lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg)
+    g = torch.Generator().manual_seed(1)
+    q = (torch.randn(len(LENS), H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
+    seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)
+    got, _ = mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), KernelPages(pages, lay), table, seq, 0.1,
+                        shadow=ShadowWindow(shadow.rows, pool.map, sink, recent))  # fmt: skip
+    win, win_len, start, n_paged = shadow.window(pool, pages, table, seq)
+    torch_path = paged_decode(q[..., :DC], q[..., DC:], pages, lay, table, n_paged, 0.1, window=win,
+                              window_len=win_len, paged_start=start)  # fmt: skip
+    for b, n in enumerate(LENS):  # float64: the window tokens as computed, the others as stored
+        x = tokens[b].double()
+        sc, sr = lay.unpack(lay.pack(x[:, :DC].float(), x[:, DC:].float()))
+        j = torch.arange(n, device=DEV)
+        keep = ((j < sink) | (j >= n - recent))[:, None]
+        kv = torch.where(keep, x, torch.cat([sc, sr], -1).double())
+        s = (q[b].double() @ kv.T) * 0.1
+        want = torch.softmax(s, -1) @ kv[:, :DC]
+        torch.testing.assert_close(torch_path[b].double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got[b].double(), want, atol=2e-2, rtol=2e-2)
+        if n > sink + recent:  # the check can tell the windows from the stored tokens
+            allq = torch.softmax((q[b].double() @ torch.cat([sc, sr], -1).double().T) * 0.1, -1) @ sc.double()
+            assert (allq - want).abs().max() > 3 * (got[b].double() - want).abs().max()
+    assert pool.misses == 0
+
+
+def test_shadow_windows_exclude_an_explicit_window():
+    rows = torch.zeros(17, DC + DR, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int32"):
+        ShadowWindow(rows, torch.zeros(4, dtype=torch.int64), 4, 8)
+    with pytest.raises(ValueError, match="bfloat16"):
+        ShadowWindow(rows.float(), torch.zeros(4, dtype=torch.int32), 4, 8)
