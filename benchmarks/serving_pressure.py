@@ -167,22 +167,24 @@ def decode_step(args) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
+    """Throughput against budget, one panel a workload, one line a scheme (its latest row per budget)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for wl in sorted({r.get("workload", "") for r in rows}):
-        for scheme in sorted({r["scheme"] for r in rows}):
-            pts = sorted((r["budget_mib"], r["output_tok_s"]) for r in rows
-                         if r["scheme"] == scheme and r.get("workload", "") == wl)  # fmt: skip
-            if pts:
-                ax.plot(*zip(*pts, strict=True), "o-", label=f"{scheme} {wl}".strip())
-    ax.set_xlabel("KV cache budget (MiB)")
-    ax.set_ylabel("whole-job output tokens/s")
-    ax.set_title("vLLM under cache pressure")
-    ax.legend()
+    workloads = sorted({r.get("workload", "") for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        latest = {(r["scheme"], r["budget_mib"]): r for r in rows if r.get("workload", "") == wl}
+        for scheme in sorted({s for s, _ in latest}):
+            pts = sorted((b, r["output_tok_s"]) for (s, b), r in latest.items() if s == scheme)
+            ax.plot(*zip(*pts, strict=True), "o-", label=scheme)
+        ax.set_title(wl or "workload", fontsize=9)
+        ax.set_xlabel("KV cache budget (MiB)")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("whole-job output tokens/s")
+    fig.suptitle("vLLM under cache pressure")
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
 
@@ -342,11 +344,13 @@ def decode_step_gpu(args) -> list[dict]:
 
 def report(rows: list[dict], steps: list[dict], out: Path) -> None:
     plot(rows, out / "serving_throughput.png")
-    head = ("workload", "budget MiB", "scheme", "KV tokens", "peak in flight", "preemptions", "s", "output tok/s",
-            "TTFT median s", "TPOT median ms")  # fmt: skip
+    head = ("workload", "budget MiB", "scheme", "windows", "max_num_seqs", "KV tokens", "peak in flight", "preemptions",
+            "s", "output tok/s", "TTFT median s", "TPOT median ms")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in sorted(rows, key=lambda r: (r.get("workload", ""), r["budget_mib"])):
-        cells = (r.get("workload", "-"), f"{r['budget_mib']:g}", r["scheme"], f"{r['kv_tokens']:,}",
+        win = "+".join(map(str, r.get("windows") or [0, 0]))
+        cells = (r.get("workload", "-"), f"{r['budget_mib']:g}", r["scheme"], win, r.get("max_num_seqs", "-"),
+                 f"{r['kv_tokens']:,}",
                  r["peak_in_flight"], r["preemptions"],
                  f"{r['seconds']:.2f}", f"{r['output_tok_s']:.1f}", f"{r['ttft_median_s']:.2f}",
                  f"{r['tpot_median_ms']:.1f}")  # fmt: skip

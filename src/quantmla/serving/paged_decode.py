@@ -66,12 +66,18 @@ def _attend(q_nope, q_pe, records, layout, blocks, seq_lens, scale, win=None) ->
     if win is not None:
         skip |= t[None, :] < win[2][:, None].long()  # the sinks: read from the window rows instead
     c, r = layout.unpack(rec, torch.float32, valid=~skip)  # they read as 0 (NaN bytes would leak into P c)
-    if win is not None:  # the unquantised rows join the same softmax
-        rows, count = win[0].float(), win[1].long()
-        c = torch.cat([c, rows[..., : layout.kv_lora_rank]], dim=1)
-        r = torch.cat([r, rows[..., layout.kv_lora_rank :]], dim=1)
-        skip = torch.cat([skip, torch.arange(rows.shape[1], device=rec.device)[None, :] >= count[:, None]], dim=1)
-    s = torch.einsum("nhd,ntd->nht", q_nope.float(), c) + torch.einsum("nhd,ntd->nht", q_pe.float(), r)
+    qn, qp = q_nope.float(), q_pe.float()
+    s = torch.einsum("nhd,ntd->nht", qn, c) + torch.einsum("nhd,ntd->nht", qp, r)
     s = s.mul_(scale).masked_fill_(skip[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("nht,ntd->nhd", p, c).to(q_nope.dtype)
+    if win is None:
+        return torch.einsum("nht,ntd->nhd", torch.softmax(s, dim=-1), c).to(q_nope.dtype)
+    # the unquantised rows join the same softmax (their scores beside the pages', no copy of the pages)
+    rows, count = win[0].float(), win[1].long()
+    cw, rw = rows[..., : layout.kv_lora_rank], rows[..., layout.kv_lora_rank :]
+    sw = torch.einsum("nhd,ntd->nht", qn, cw) + torch.einsum("nhd,ntd->nht", qp, rw)
+    gone = torch.arange(rows.shape[1], device=rec.device)[None, :] >= count[:, None]
+    sw = sw.mul_(scale).masked_fill_(gone[:, None, :], float("-inf"))
+    p = torch.softmax(torch.cat([s, sw], dim=-1), dim=-1)
+    t = s.shape[-1]
+    out = torch.einsum("nht,ntd->nhd", p[..., :t], c) + torch.einsum("nht,ntd->nhd", p[..., t:], cw)
+    return out.to(q_nope.dtype)

@@ -86,6 +86,15 @@ def window_positions(seq_lens: torch.Tensor, cfg: WindowConfig):
     return pos, ok, paged_start, n_paged
 
 
+def _host_window_positions(seq_lens: np.ndarray, cfg: WindowConfig) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`window_positions` on the host (numpy): ``pos [B, W]`` and ``ok [B, W]``."""
+    w = cfg.width
+    n = seq_lens[:, None]
+    k = np.arange(w)[None, :]
+    pos = np.where((n > w) & (k >= cfg.sink), n - w + k, k)
+    return pos, pos < n
+
+
 class WindowPool:
     """Which sub-pages have a shadow, for all layers of one engine (shadow rows: :class:`ShadowRows`).
 
@@ -106,6 +115,9 @@ class WindowPool:
         self._valid = np.zeros(self.trash, dtype=bool)  # the row holds its slot's current token
         self._step = 0
         self._repairers: dict[int, object] = {}
+        sink, w = cfg.sink, cfg.width
+        cols = [*range(0, sink, SUB), sink - 1, *range(sink, w, SUB), w - 1]
+        self._key_cols = np.unique(np.array([c for c in cols if 0 <= c < w], dtype=np.int64))
         self.misses = 0  # window rows repaired from their records (read as stored)
         self.map = torch.full((keys,), -1, dtype=torch.int32, device=device)
 
@@ -122,12 +134,16 @@ class WindowPool:
         """Give a shadow to every sub-page this step needs (host block tables ``[B, pages]``, lengths after
         the step ``[B]`` and tokens the step adds ``[B]``); evicts the least recently needed, updates
         :attr:`map` and repairs the window rows that need it. Returns how many were repaired."""
-        pos, ok, _, _ = window_positions(torch.from_numpy(np.asarray(seq_lens)), self.cfg)
-        pos, ok = pos.numpy(), ok.numpy()
+        pos, ok = _host_window_positions(np.asarray(seq_lens, dtype=np.int64), self.cfg)
         table = block_table.astype(np.int64)
         col = np.minimum(pos // block_size, table.shape[1] - 1)
-        wslots = (np.take_along_axis(table, col, axis=1) * block_size + pos % block_size)[ok]
-        keys = np.unique(wslots // SUB)
+        wslots = np.take_along_axis(table, col, axis=1) * block_size + pos % block_size
+        # every sub-page the window touches holds one of these columns (each segment's start, every SUB-th
+        # position after it, its end) or the request's last token: the keys without a unique over every slot
+        cols = self._key_cols
+        last = np.take_along_axis(wslots, np.maximum(ok.sum(1) - 1, 0)[:, None], axis=1)[:, 0]  # position n - 1
+        keys = np.unique(np.concatenate([(wslots[:, cols] // SUB)[ok[:, cols]], (last // SUB)[ok[:, 0]]]))
+        wslots = wslots[ok]
         if keys.size and keys[-1] >= self._shadow_of.size:
             raise ValueError(f"slot sub-page {keys[-1]} beyond the {self._shadow_of.size} the pool was built for")
         step = self._step
