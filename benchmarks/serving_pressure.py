@@ -76,13 +76,15 @@ def windows(args) -> list[int]:
 
 
 def run(model: str, scheme: str, budget: int, args) -> list[dict]:
-    """The workloads on one engine (``--max-num-seqs N``), or each on its own engine sized to its requests
-    (``--max-num-seqs 0``: the windows' shadows, sized by max_num_seqs, then cost only what it needs)."""
+    """The workloads on one engine (``--max-num-seqs N``), or each on its own engine sized to its requests,
+    rounded up to a multiple of 8 (``--max-num-seqs 0``: the windows' shadows, sized by max_num_seqs, then cost
+    only what it needs; vLLM captures decode CUDA graphs for 1, 2, 4, 8, 16, ... requests, and a batch
+    between captured sizes up to max_num_seqs runs eagerly)."""
     workloads = parse_workloads(args.workloads) if args.workloads else [(args.requests, args.prompt, args.output)]
     groups = [workloads] if args.max_num_seqs else [[w] for w in workloads]
     rows = []
     for group in groups:
-        seqs = args.max_num_seqs or group[0][0]
+        seqs = args.max_num_seqs or -(-group[0][0] // 8) * 8  # a size vLLM captures CUDA graphs for
         llm = engine(model, scheme, budget, max(p + o for _, p, o in group), args, seqs)
         cfg = llm.llm_engine.vllm_config.cache_config
         kv_tokens = cfg.num_gpu_blocks * cfg.block_size

@@ -7,6 +7,7 @@
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
 #                                              each workload (WORKLOADS) its own engine of max_num_seqs = its requests
+#                                              rounded up to a multiple of 8
 #                                              (SEQS=N: one engine of N), windows WINDOWS (default 4,128),
 #                                              schemes S (comma list) at budgets B (MiB, comma list)
 # Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
@@ -33,6 +34,6 @@ pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
     --windows "${WINDOWS:-4,128}";;
-*) sed -n '2,12p' "$0"; exit 2;;
+*) sed -n '2,13p' "$0"; exit 2;;
 esac
 cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true

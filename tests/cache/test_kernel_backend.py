@@ -44,7 +44,8 @@ def teacher_forced_logits(model, batch, mask, cache) -> torch.Tensor:
     return torch.stack(logits, 1).double().cpu()
 
 
-@pytest.mark.parametrize("scheme,group", [("c4r4", 64), ("c4r4", 32), ("c2r4", 32), ("bf16", 64)])
+# group 32 through c2r4, 64 through c4r4 and bf16 (each case is ~40 s in the CPU interpreter)
+@pytest.mark.parametrize("scheme,group", [("c4r4", 64), ("c2r4", 32), ("bf16", 64)])
 def test_decode_logits_match_torch_backend(models_and_batch, scheme, group):
     m, m32, batch, mask = models_and_batch
     kw = dict(scheme=scheme, group_size=group, recent=RECENT)

@@ -51,7 +51,7 @@ def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
     assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
 
 
-@pytest.mark.parametrize(("scheme", "sink", "recent"), [("c4r4", 4, 48), ("c2r4", 4, 48), ("c4r4", 0, 33)])
+@pytest.mark.parametrize(("scheme", "sink", "recent"), [("c2r4", 4, 48), ("c4r4", 0, 33)])
 def test_decode_reads_the_window_rows_in_place(scheme, sink, recent):
     cfg = WindowConfig(sink, recent)
     lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg)
