@@ -67,12 +67,7 @@ class QuantMLACPUImpl(CPUMLAImpl):
         sel = current_selection()
         self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
                                                             sel.group_size)  # fmt: skip
-        self.windows = None
-        if self.layout is not None and window_config(sel).enabled:
-            from vllm.config import get_current_vllm_config
-
-            cfg = get_current_vllm_config()
-            self.windows = LayerWindows(window_config(sel), self.layout, cfg, cfg.model_config.dtype)
+        self.windows = None if self.layout is None else LayerWindows.for_layer(sel, self.layout)
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:

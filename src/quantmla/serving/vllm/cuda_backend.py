@@ -27,7 +27,6 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
 from __future__ import annotations
 
 import contextvars
-import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,14 +42,12 @@ from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
-logger = logging.getLogger("vllm.quantmla")
 #: block sizes the kernels page by (vLLM's block = one kernel page)
 BLOCK_SIZES = (16, 32, 64, 128)
 _GATHER: contextvars.ContextVar[ContextGather | None] = contextvars.ContextVar("quantmla_gather", default=None)
-_LOGGED: set[str] = set()
 
 
 def _has_kernel(scheme: str) -> bool:
@@ -59,12 +56,6 @@ def _has_kernel(scheme: str) -> bool:
     except NoKernelLayout:
         return False
     return True
-
-
-def _log_once(msg: str, *args) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        logger.info(msg, *args)
 
 
 class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommonMetadata]):
@@ -111,13 +102,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if sel is not None:
             self.layout = RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim, sel.group_size)
             self.kernel = _has_kernel(sel.scheme)
-            if window_config(sel).enabled:
-                from vllm.config import get_current_vllm_config
-
-                cfg = get_current_vllm_config()
-                self.windows = LayerWindows(window_config(sel), self.layout, cfg, cfg.model_config.dtype,
-                                            torch.get_default_device())  # fmt: skip
-            _log_once("quantmla plugin: %s decode through %s", sel.scheme,
+            self.windows = LayerWindows.for_layer(sel, self.layout)
+            log_once("quantmla plugin: %s decode through %s", sel.scheme,
                       "quantmla's Triton kernels on the pages in place" if self.kernel
                       else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
         self._pages: tuple[int, KernelPages] | None = None

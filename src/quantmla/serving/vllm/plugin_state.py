@@ -10,6 +10,14 @@ from quantmla.serving.vllm.selection import Selection, select
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 _RESOLVED: dict[int, Selection | None] = {}
+_LOGGED: set[str] = set()
+
+
+def log_once(msg: str, *args) -> None:
+    """``logger.info`` once per process for each message (every layer's impl reaches the same lines)."""
+    if msg not in _LOGGED:
+        _LOGGED.add(msg)
+        logger.info(msg, *args)
 
 
 def _config():

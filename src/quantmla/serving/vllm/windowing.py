@@ -20,11 +20,11 @@ import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 
 from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
 from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
 logger = logging.getLogger("vllm.quantmla")
-_LOGGED: set[str] = set()
 
 
 def window_config(sel: Selection | None) -> WindowConfig:
@@ -36,12 +36,11 @@ def window_config(sel: Selection | None) -> WindowConfig:
 
 @dataclass(frozen=True)
 class WindowStep:
-    """What a layer needs of the step's windows: the planned pool, and the batch's lengths after the step
-    (``seq_lens [num_reqs]``) and token layout (``query_start_loc [num_reqs + 1]``)."""
+    """What a layer needs of the step's windows: the planned pool and the batch's lengths after the step
+    (``seq_lens [num_reqs]``)."""
 
     pool: WindowPool
     seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
 
 
 @dataclass
@@ -79,7 +78,7 @@ class WindowPlanning:
             logger.warning("quantmla windows: %d window tokens had no unquantised copy (a prefix-cache hit, or a"
                            " request long unscheduled) and are read as stored; %d so far", pool.misses - before,
                            pool.misses)  # fmt: skip
-        md.windows = WindowStep(pool, seq, cm.query_start_loc[: n + 1])
+        md.windows = WindowStep(pool, seq)
         return md
 
 
@@ -115,14 +114,23 @@ class LayerWindows:
                     f" layer ({max_reqs} requests, max_num_seqs); raise it or lower max_num_seqs"
                 )
             cache.kv_cache_memory_bytes = budget - self.shadow.nbytes
-        msg = (f"quantmla windows: sink {cfg.sink} + recent {cfg.recent} tokens of each request unquantised;"
-               f" {self.shadow.nbytes / 2**20:.2f} MiB a layer for {max_reqs} requests (max_num_seqs), taken off"
-               " the KV budget")  # fmt: skip
-        if msg not in _LOGGED:
-            _LOGGED.add(msg)
-            logger.info(msg)
+        log_once(f"quantmla windows: sink {cfg.sink} + recent {cfg.recent} tokens of each request unquantised;"
+                 f" {self.shadow.nbytes / 2**20:.2f} MiB a layer for {max_reqs} requests (max_num_seqs), taken off"
+                 " the KV budget")  # fmt: skip
 
         self._pool: WindowPool | None = None
+
+    @classmethod
+    def for_layer(cls, sel: Selection, layout: RecordLayout) -> LayerWindows | None:
+        """The windows of an MLA layer being built (vLLM's current config, default device), or ``None``
+        when the selection asks for none."""
+        cfg = window_config(sel)
+        if not cfg.enabled:
+            return None
+        from vllm.config import get_current_vllm_config
+
+        vcfg = get_current_vllm_config()
+        return cls(cfg, layout, vcfg, vcfg.model_config.dtype, torch.get_default_device())
 
     def read(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The records of ``slots`` as stored, ``[N, d_c + d_r]`` in the shadows' dtype."""
