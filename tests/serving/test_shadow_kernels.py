@@ -11,7 +11,7 @@ from quantmla.kernels.write import write_records
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+from quantmla.serving.windows import SUB, ShadowRows, WindowConfig, WindowPool
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DC, DR, BS, H = 128, 64, 32, 16
@@ -47,7 +47,7 @@ def _engine(scheme: str, cfg: WindowConfig, seed: int = 0):
 def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
     _, _, pool, shadow, ref, _, _ = _engine(scheme, WindowConfig(4, 48))
     used = pool.map[pool.map >= 0].long()
-    rows = (used[:, None] * 16 + torch.arange(16, device=DEV)).flatten()
+    rows = (used[:, None] * SUB + torch.arange(SUB, device=DEV)).flatten()
     assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
 
 
@@ -85,3 +85,15 @@ def test_shadow_windows_exclude_an_explicit_window():
         ShadowWindow(rows, torch.zeros(4, dtype=torch.int64), 4, 8)
     with pytest.raises(ValueError, match="bfloat16"):
         ShadowWindow(rows.float(), torch.zeros(4, dtype=torch.int32), 4, 8)
+
+
+def test_shadow_windows_need_a_quantised_store():
+    lay = RecordLayout("bf16", DC, DR, 64)
+    pages = torch.zeros(4, BS, lay.record_bytes, dtype=torch.uint8, device=DEV)
+    q = torch.zeros(1, H, DC + DR, dtype=torch.bfloat16, device=DEV)
+    shadow = ShadowWindow(torch.zeros(17, DC + DR, dtype=torch.bfloat16, device=DEV),
+                          torch.full((8,), -1, dtype=torch.int32, device=DEV), 4, 8)  # fmt: skip
+    table = torch.zeros(1, 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="BF16 store"):
+        mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), KernelPages(pages, lay), table,
+                   torch.tensor([5], dtype=torch.int32, device=DEV), 0.1, shadow=shadow)  # fmt: skip

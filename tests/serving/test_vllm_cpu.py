@@ -27,9 +27,9 @@ PROMPTS = [[532, 2093, 498], list(range(300, 700)), [483, 1719, 9, 3781, 10] * 4
 GEN = 16
 RECORD = {"bf16": 1152, "c4r4": 324, "c2r4": 196}
 LAYERS, BLOCK, SEQS, BUDGET = 8, 16, 4, 48 << 20
-# the windows' shadow rows a layer (sink 4 + recent 128, max_num_seqs 4, float32 model): 10 sub-pages of 16
+# the windows' shadow rows a layer (sink 4 + recent 128, max_num_seqs 4, float32 model): 34 sub-pages of 4
 # rows a request, plus one scratch row, 576 values each
-SHADOW = (10 * 16 * SEQS + 1) * 576 * 4
+SHADOW = (34 * 4 * SEQS + 1) * 576 * 4
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,15 @@ def run_engine(model, dtype, scheme=None, prompts=PROMPTS, max_tokens=GEN, budge
     old = os.environ.get("VLLM_PLUGINS")
     if plugins is not None:
         os.environ["VLLM_PLUGINS"] = plugins
+    # the engine's processes inherit the environment: conftest's TRITON_INTERPRET would run vLLM's own Triton
+    # kernels in the interpreter (whose bf16 casts truncate) in some engines and not others
+    interpret = os.environ.pop("TRITON_INTERPRET", None)
+    # vLLM's own runs name CPU_MLA: on a CPU with AMX tiles vLLM picks AMX_MLA, which takes no float32 weights;
+    # quantmla's runs leave the backend to the plugin
+    backend = {"attention_backend": "CPU_MLA"} if scheme is None else {}
     llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=True, kv_cache_memory_bytes=budget,
               compilation_config={"custom_ops": ["none"]}, additional_config=extra, disable_log_stats=False,
-              max_num_seqs=SEQS, seed=0)  # fmt: skip
+              max_num_seqs=SEQS, seed=0, **backend)  # fmt: skip
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     res = {
@@ -70,6 +76,8 @@ def run_engine(model, dtype, scheme=None, prompts=PROMPTS, max_tokens=GEN, budge
     llm.llm_engine.engine_core.shutdown()
     if plugins is not None:
         os.environ.pop("VLLM_PLUGINS") if old is None else os.environ.update(VLLM_PLUGINS=old)
+    if interpret is not None:
+        os.environ["TRITON_INTERPRET"] = interpret
     del llm
     gc.collect()
     return res
@@ -78,11 +86,13 @@ def run_engine(model, dtype, scheme=None, prompts=PROMPTS, max_tokens=GEN, budge
 @pytest.fixture(scope="module")
 def runs(model_dir):
     return {
-        "without": run_engine(model_dir, "bfloat16", plugins="none"),  # vLLM with no quantmla plugin loaded
         "default": run_engine(model_dir, "bfloat16"),  # the plugin loaded, not asked for
         "bf16": run_engine(model_dir, "bfloat16", "bf16"),
         "c4r4": run_engine(model_dir, "float32", "c4r4"),
         "c2r4": run_engine(model_dir, "float32", "c2r4"),
+        # vLLM with no quantmla plugin loaded, last: VLLM_PLUGINS=none before the plugin ever loaded in this
+        # process (where the engines' configs are made) would keep it from loading here for the later engines
+        "without": run_engine(model_dir, "bfloat16", plugins="none"),
     }
 
 
@@ -172,3 +182,11 @@ def test_an_unsupported_vllm_is_one_clear_error_when_asked_for(monkeypatch):
     with pytest.raises(RuntimeError, match=want):
         check_supported(asked=True)
     assert check_supported(asked=False) is None  # not asked for: vLLM runs as without the plugin
+
+
+def test_another_mla_backend_is_one_clear_error_when_asked_for(model_dir):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="attention_backend=AMX_MLA cannot read it"):
+        LLM(model=model_dir, dtype="float32", attention_backend="AMX_MLA", enforce_eager=True,
+            additional_config={"quantmla": {"scheme": "c4r4"}})  # fmt: skip

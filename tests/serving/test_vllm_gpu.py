@@ -20,7 +20,7 @@ PROMPTS = [[532, 2093, 498], list(range(300, 700)), [483, 1719, 9, 3781, 10] * 4
 GEN = 16
 RECORD = {"bf16": 1152, "c4r4": 324, "c2r4": 196}
 LAYERS, BLOCK, SEQS, BUDGET = 2, 64, 8, 64 << 20
-SHADOW = (10 * 16 * SEQS + 1) * 576 * 2  # the windows' BF16 shadow rows a layer (sink 4 + recent 128)
+SHADOW = (34 * 4 * SEQS + 1) * 576 * 2  # the windows' BF16 shadow rows a layer: 34 sub-pages of 4 (4 + 128)
 CHUNK = 128
 
 

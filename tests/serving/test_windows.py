@@ -20,9 +20,17 @@ def test_window_positions_short_and_long():
     assert start.tolist() == [0, 0, 4] and n_paged.tolist() == [0, 0, 22]
 
 
-def test_subpages_per_request_cover_any_alignment():
-    assert WindowConfig(4, 128).subpages_per_request == 1 + 9
-    assert WindowConfig(0, 16).subpages_per_request == 2 and WindowConfig(17, 0).subpages_per_request == 2
+@pytest.mark.parametrize(("sink", "recent"), [(4, 128), (0, 16), (17, 0), (3, 5)])
+def test_subpages_per_request_cover_any_alignment(sink, recent):
+    """The sub-pages one request's window positions touch (position ``p`` lies in its request's sub-page
+    ``p // SUB``: blocks are whole sub-pages), over every length: at most ``subpages_per_request``, and
+    that many for some length."""
+    cfg = WindowConfig(sink, recent)
+    most = 0
+    for n in range(1, 2 * (sink + recent) + 3 * SUB):
+        pos, ok, _, _ = window_positions(torch.tensor([n]), cfg)
+        most = max(most, len(set((pos[ok] // SUB).tolist())))
+    assert most == cfg.subpages_per_request
 
 
 class Engine:
@@ -145,15 +153,15 @@ def test_a_pool_too_small_for_the_step_is_an_error():
 
 def test_an_evicted_shadow_is_repaired_from_its_record_and_counted():
     eng = Engine(WindowConfig(0, SUB), block_size=16, max_reqs=1, num_blocks=32)
-    eng.step({0: 20})  # request 0: its window needs 2 sub-pages, all the pool has
-    eng.step({1: 20})  # request 1 takes both while 0 waits
+    eng.step({0: SUB + 2})  # request 0: its window [2, SUB + 2) needs 2 sub-pages, all the pool has
+    eng.step({1: SUB + 2})  # request 1 takes both while 0 waits
     assert eng.pool.misses == 0
     # back in the batch: its sub-pages get shadows again, taken from request 1; the rows request 1 wrote there
-    # must not pass for request 0's: its 15 older window tokens are repaired from their records, its new one is
-    # the shadow's own
+    # must not pass for request 0's: its SUB - 1 older window tokens are repaired from their records, its new
+    # one is the shadow's own
     eng.step({0: 1})
     assert eng.pool.misses == SUB - 1
     q_nope, q_pe = torch.randn(1, H, DC), torch.randn(1, H, DR)
     got = eng.decode([0], q_nope, q_pe)[0].double()
-    want = eng.reference(0, q_nope[0], q_pe[0], as_stored=range(5, 20))
+    want = eng.reference(0, q_nope[0], q_pe[0], as_stored=range(3, SUB + 2))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -8,11 +8,13 @@ before ``W_UV``) and the log-sum-exp of the scaled scores, like FlashMLA.
 Work split (split-KV): program ``(b, split, head_group)`` walks a contiguous range of sequence
 ``b``'s pages, with every query head of the group sharing each loaded KV tile, so a tile is read
 and dequantised once per head group (once per sequence for h <= 64). The unquantised tokens of a
-sequence (sinks and the recent window, in a small BF16 buffer) form one more split. A combine pass
+sequence (sinks and the recent window) form one more split: either a small BF16 buffer, read by a
+second launch (:func:`_window_kernel`), or BF16 shadow rows read in place through a slot map
+(:class:`ShadowWindow`, an engine's low-bit pages), by one more program of the same launch. A combine pass
 merges the splits by log-sum-exp.
 
-This module holds the BF16 paged kernel, the window (sinks + recent) kernel, the combine pass and
-the launcher :func:`mla_decode`; the fused low-bit kernel is :mod:`quantmla.kernels.decode_lowbit`.
+This module holds the BF16 paged kernel, the window kernel, the combine pass and the launcher
+:func:`mla_decode`; the fused low-bit kernel is :mod:`quantmla.kernels.decode_lowbit`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 
 from quantmla.kernels.layout import PagedLatentStore
+from quantmla.serving.windows import SUB
 
 
 @triton.jit
@@ -131,10 +134,29 @@ def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, P
 
 
 @triton.jit
+def _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
+                 WR: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """Row pointers and mask of window positions ``[t0, t0 + BLOCK_T)`` of sequence ``b`` (``n`` tokens) in
+    its shadow rows: window position ``k`` is token ``k`` (a sink, or every token when ``n <= WS + WR``)
+    or ``n - WS - WR + k``; its slot's sub-page (``slot // SUB``) maps to a shadow sub-page through
+    ``MAP`` (none: the scratch row ``TRASH``)."""
+    W: tl.constexpr = WS + WR
+    k = t0 + tl.arange(0, BLOCK_T)
+    tmask = k < tl.minimum(n, W)
+    pos = tl.where((n > W) & (k >= WS), n - W + k, k)
+    pos = tl.where(tmask, pos, 0)
+    blk = tl.load(BT + b * MAXP + pos // PAGE, mask=tmask, other=0).to(tl.int64)
+    slot = blk * PAGE + pos % PAGE
+    sh = tl.load(MAP + slot // SUB, mask=tmask, other=-1).to(tl.int64)
+    row = tl.where(sh >= 0, sh * SUB + slot % SUB, TRASH)
+    return ROWS + row * D, tmask
+
+
+@triton.jit
 def _paged_kernel(
     Q, QR, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    DT: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
+    DT: tl.constexpr,
 ):  # fmt: skip
     """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next."""
     b = tl.program_id(0)
@@ -146,7 +168,7 @@ def _paged_kernel(
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, 0, 0)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -200,43 +222,6 @@ def _window_kernel(
     _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
 
 
-@triton.jit
-def _shadow_window_kernel(
-    Q, QR, ROWS, MAP, BT, SEQ, OP, LP, H, MAXP, NS, TRASH, scale_log2,
-    DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
-    WR: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, DT: tl.constexpr,
-):  # fmt: skip
-    """The sinks and recent window of each sequence read in place from its shadow rows (split ``NS``):
-    window position ``k`` of a sequence of ``n`` tokens is ``k`` (a sink, or every token when
-    ``n <= WS + WR``) or ``n - WS - WR + k``; its slot's sub-page (``slot // SUB``) maps to a shadow
-    sub-page through ``MAP``."""
-    b = tl.program_id(0)
-    hg = tl.program_id(2)
-    PL: tl.constexpr = DC // 4
-    RPL: tl.constexpr = DR // 2
-    W: tl.constexpr = WS + WR
-    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
-    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
-    n = tl.load(SEQ + b)
-    hl = tl.minimum(n, W)
-    for t0 in range(0, hl, BLOCK_T):
-        k = t0 + tl.arange(0, BLOCK_T)
-        tmask = k < hl
-        pos = tl.where((n > W) & (k >= WS), n - W + k, k)
-        pos = tl.where(tmask, pos, 0)
-        blk = tl.load(BT + b * MAXP + pos // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = blk * PAGE + pos % PAGE
-        sh = tl.load(MAP + slot // SUB, mask=tmask, other=-1).to(tl.int64)
-        row = tl.where(sh >= 0, sh * SUB + slot % SUB, TRASH)
-        c0, c1, c2, c3, r0, r1 = _load_bf16_rows(ROWS + row * (DC + DR), tmask, DC, PL, RPL)
-        m_i, l_i, a0, a1, a2, a3 = _attend(
-            q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
-        )
-    _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
-
-
 @dataclass(frozen=True)
 class ShadowWindow:
     """Each sequence's first ``sink`` and last ``recent`` tokens in BF16 shadow rows, read in place by
@@ -248,7 +233,7 @@ class ShadowWindow:
     map: torch.Tensor
     sink: int
     recent: int
-    sub: int = 16
+    sub: int = SUB
 
     def __post_init__(self) -> None:
         if self.rows.dtype != torch.bfloat16 or self.rows.dim() != 2 or not self.rows.is_contiguous():
@@ -286,6 +271,9 @@ def _combine_kernel(
 
 
 MAX_SPLITS = 256
+#: window rows per tile of the low-bit kernel's window program: its registers come on top of the page
+#: loop's (the kernel's 255 at 16 heads); ptxas for sm_90 spills 160 bytes at 16, 1356 at 64
+WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs of one warp
 COMBINE_CHUNK = 8  # splits per combine step
 
@@ -407,6 +395,14 @@ def mla_decode(
     paged_regs = {"maxnreg": cap} if cap and not interpret else {}
     nsp = ns + (window is not None or shadow is not None)
     ws, wr = (shadow.sink, shadow.recent) if shadow is not None else (0, 0)
+    if shadow is not None and shadow.rows.shape[1] != DC + DR:
+        raise ValueError(f"shadow rows are {shadow.rows.shape[1]} wide; the queries need {DC + DR}")
+    if shadow is not None and not lay.quantized:
+        raise ValueError("a BF16 store holds every token unquantised: shadow windows are for a quantised store")
+    # with shadows, one more program per (sequence, head group) reads the window rows: split index 0
+    sh = (shadow.rows, shadow.map, shadow.rows.shape[0] - 1) if shadow is not None else (q_lat, block_table, 0)
+    sub = shadow.sub if shadow is not None else 16
+    grid = (B, ns + (shadow is not None), hg)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
@@ -417,27 +413,19 @@ def mla_decode(
         from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
         views = store.kernel_views()
-        kernel = _lowbit_kernel[(B, ns, hg)](
-            q_lat, q_pe, *views, *(v.stride(0) for v in views), *common,
+        kernel = _lowbit_kernel[grid](
+            q_lat, q_pe, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
-            num_warps=num_warps, **stages, **paged_regs,
+            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
-        kernel = _paged_kernel[(B, ns, hg)](
+        kernel = _paged_kernel[grid](
             q_lat, q_pe, store.content, store.content.stride(0), *common,
-            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, WS=ws, WR=wr,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
-    if shadow is not None:
-        if shadow.rows.shape[1] != DC + DR:
-            raise ValueError(f"shadow rows are {shadow.rows.shape[1]} wide; the queries need {DC + DR}")
-        _shadow_window_kernel[(B, 1, hg)](
-            q_lat, q_pe, shadow.rows, shadow.map, block_table, n_paged, op, lp, H, maxp, ns, shadow.rows.shape[0] - 1,
-            scale_log2, DC=DC, DR=DR, PAGE=lay.page_size, SUB=shadow.sub, WS=ws, WR=wr, BLOCK_T=min(64, block_t),
-            BLOCK_H=block_h, DT=bf16_dt, num_warps=num_warps, **stages,
-        )  # fmt: skip
     if window is not None:
         window = window.contiguous()
         _window_kernel[(B, 1, hg)](

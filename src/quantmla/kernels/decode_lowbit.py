@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _init_state, _split_pages
+from quantmla.kernels.decode import _init_state, _shadow_rows, _split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
 
@@ -42,14 +42,75 @@ def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, T: tl.constexpr)
 
 
 @triton.jit
+def _attend8(
+    q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, tmask,
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT: tl.constexpr,
+):  # fmt: skip
+    """One tile of the online softmax over eight content planes and four RoPE planes (all ``DT``)."""
+    qk = tl.dot(q0, tl.trans(c0))
+    qk += tl.dot(q1, tl.trans(c1))
+    qk += tl.dot(q2, tl.trans(c2))
+    qk += tl.dot(q3, tl.trans(c3))
+    qk += tl.dot(q4, tl.trans(c4))
+    qk += tl.dot(q5, tl.trans(c5))
+    qk += tl.dot(q6, tl.trans(c6))
+    qk += tl.dot(q7, tl.trans(c7))
+    qk += tl.dot(qr0, tl.trans(r0))
+    qk += tl.dot(qr1, tl.trans(r1))
+    qk += tl.dot(qr2, tl.trans(r2))
+    qk += tl.dot(qr3, tl.trans(r3))
+    qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    pr = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    pb = pr.to(tl.float16).to(DT)
+    a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
+    a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
+    a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
+    a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
+    a4 = a4 * alpha[:, None] + tl.dot(pb, c4)
+    a5 = a5 * alpha[:, None] + tl.dot(pb, c5)
+    a6 = a6 * alpha[:, None] + tl.dot(pb, c6)
+    a7 = a7 * alpha[:, None] + tl.dot(pb, c7)
+    return m_new, l_i, a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@triton.jit
+def _row_planes(ptr, tmask, DC: tl.constexpr, PW: tl.constexpr, RPW: tl.constexpr, DT: tl.constexpr):
+    """BF16 token rows ``[c | k^R]`` (``ptr``: one pointer per token) as eight content and four RoPE
+    planes in ``DT``."""
+    cp = tl.arange(0, PW)[None, :]
+    rp = tl.arange(0, RPW)[None, :]
+    base = ptr[:, None]
+    msk = tmask[:, None]
+    c0 = tl.load(base + 0 * PW + cp, mask=msk, other=0.0).to(DT)
+    c1 = tl.load(base + 1 * PW + cp, mask=msk, other=0.0).to(DT)
+    c2 = tl.load(base + 2 * PW + cp, mask=msk, other=0.0).to(DT)
+    c3 = tl.load(base + 3 * PW + cp, mask=msk, other=0.0).to(DT)
+    c4 = tl.load(base + 4 * PW + cp, mask=msk, other=0.0).to(DT)
+    c5 = tl.load(base + 5 * PW + cp, mask=msk, other=0.0).to(DT)
+    c6 = tl.load(base + 6 * PW + cp, mask=msk, other=0.0).to(DT)
+    c7 = tl.load(base + 7 * PW + cp, mask=msk, other=0.0).to(DT)
+    r0 = tl.load(base + DC + 0 * RPW + rp, mask=msk, other=0.0).to(DT)
+    r1 = tl.load(base + DC + 1 * RPW + rp, mask=msk, other=0.0).to(DT)
+    r2 = tl.load(base + DC + 2 * RPW + rp, mask=msk, other=0.0).to(DT)
+    r3 = tl.load(base + DC + 3 * RPW + rp, mask=msk, other=0.0).to(DT)
+    return c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3
+
+
+@triton.jit
 def _lowbit_kernel(
     Q, QR, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
-    WR: tl.constexpr,
+    WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr,
 ):  # fmt: skip
+    """With shadow windows (``WS + WR > 0``) split index 0 of the grid reads each sequence's window rows
+    (BF16, exact in ``DT``) in place and stores its partial as split ``NS``; splits ``1..NS`` the pages."""
     b = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1) - (1 if WS + WR > 0 else 0)  # -1: the window program
     hg = tl.program_id(2)
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
@@ -78,71 +139,58 @@ def _lowbit_kernel(
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PW)
     _, _, a4, a5, a6, a7 = _init_state(BLOCK_H, PW)  # eight output planes
 
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
-    for p in range(p0, p1):
-        page = tl.load(BT + b * MAXP + p).to(tl.int64)
-        for t0 in tl.static_range(0, PAGE, BLOCK_T):
-            rows = t0 + tl.arange(0, BLOCK_T)
-            tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
-            # each field's words of these tokens: page strides (``*_PS``) are the caller's, token strides
-            # are the field's width (a page holds each field's tokens back to back)
-            ctok = page * CSM_PS + rows * NG
-            w = tl.load(CW + (page * CW_PS + rows * PW)[:, None] + cp, mask=tmask[:, None], other=0)
-            if BLOCK_H <= 16:  # one [T, 8] load (at 64 heads per program: eight loads, see BENCHMARKS.md)
-                sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, ctok, tmask, PW, G, BLOCK_T)
-            else:
-                sm0 = _scale(CSM, ctok, tmask, 0, PW, G)
-                sm1 = _scale(CSM, ctok, tmask, 1, PW, G)
-                sm2 = _scale(CSM, ctok, tmask, 2, PW, G)
-                sm3 = _scale(CSM, ctok, tmask, 3, PW, G)
-                sm4 = _scale(CSM, ctok, tmask, 4, PW, G)
-                sm5 = _scale(CSM, ctok, tmask, 5, PW, G)
-                sm6 = _scale(CSM, ctok, tmask, 6, PW, G)
-                sm7 = _scale(CSM, ctok, tmask, 7, PW, G)
-            c0, c1, c2, c3, c4, c5, c6, c7 = dequant8(
-                w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, CBITS, 32 if CBITS == 4 else 16, ASM_OK
-            )
-            rw = tl.load(RW + (page * RW_PS + rows * RPW)[:, None] + rp, mask=tmask[:, None], other=0)
-            rtok = page * RSM_PS + rows * NGR
-            if NGR == 1:  # one group covers the RoPE key: one scale word for all four planes
-                rsm = _scale(RSM, rtok, tmask, 0, RPW, G)
-                r0, r1, r2, r3 = dequant4(rw, rsm, rsm, rsm, rsm, True, ASM_OK)
-            else:  # plane k lies in group (k * RPW) // G
-                r0, r1, r2, r3 = dequant4(
-                    rw, _scale(RSM, rtok, tmask, 0, RPW, G), _scale(RSM, rtok, tmask, 1, RPW, G),
-                    _scale(RSM, rtok, tmask, 2, RPW, G), _scale(RSM, rtok, tmask, 3, RPW, G), False, ASM_OK,
+    if split >= 0:
+        n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
+        for p in range(p0, p1):
+            page = tl.load(BT + b * MAXP + p).to(tl.int64)
+            for t0 in tl.static_range(0, PAGE, BLOCK_T):
+                rows = t0 + tl.arange(0, BLOCK_T)
+                tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
+                # each field's words of these tokens: page strides (``*_PS``) are the caller's, token strides
+                # are the field's width (a page holds each field's tokens back to back)
+                ctok = page * CSM_PS + rows * NG
+                w = tl.load(CW + (page * CW_PS + rows * PW)[:, None] + cp, mask=tmask[:, None], other=0)
+                if BLOCK_H <= 16:  # one [T, 8] load (at 64 heads per program: eight loads, see BENCHMARKS.md)
+                    sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7 = _scales8(CSM, ctok, tmask, PW, G, BLOCK_T)
+                else:
+                    sm0 = _scale(CSM, ctok, tmask, 0, PW, G)
+                    sm1 = _scale(CSM, ctok, tmask, 1, PW, G)
+                    sm2 = _scale(CSM, ctok, tmask, 2, PW, G)
+                    sm3 = _scale(CSM, ctok, tmask, 3, PW, G)
+                    sm4 = _scale(CSM, ctok, tmask, 4, PW, G)
+                    sm5 = _scale(CSM, ctok, tmask, 5, PW, G)
+                    sm6 = _scale(CSM, ctok, tmask, 6, PW, G)
+                    sm7 = _scale(CSM, ctok, tmask, 7, PW, G)
+                c0, c1, c2, c3, c4, c5, c6, c7 = dequant8(
+                    w, sm0, sm1, sm2, sm3, sm4, sm5, sm6, sm7, CBITS, 32 if CBITS == 4 else 16, ASM_OK
+                )
+                rw = tl.load(RW + (page * RW_PS + rows * RPW)[:, None] + rp, mask=tmask[:, None], other=0)
+                rtok = page * RSM_PS + rows * NGR
+                if NGR == 1:  # one group covers the RoPE key: one scale word for all four planes
+                    rsm = _scale(RSM, rtok, tmask, 0, RPW, G)
+                    r0, r1, r2, r3 = dequant4(rw, rsm, rsm, rsm, rsm, True, ASM_OK)
+                else:  # plane k lies in group (k * RPW) // G
+                    r0, r1, r2, r3 = dequant4(
+                        rw, _scale(RSM, rtok, tmask, 0, RPW, G), _scale(RSM, rtok, tmask, 1, RPW, G),
+                        _scale(RSM, rtok, tmask, 2, RPW, G), _scale(RSM, rtok, tmask, 3, RPW, G), False, ASM_OK,
+                    )  # fmt: skip
+                m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
+                    q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3,
+                    c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT),
+                    r0.to(DT), r1.to(DT), r2.to(DT), r3.to(DT), tmask, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
+                    scale_log2, DT,
                 )  # fmt: skip
-            c0, c1, c2, c3, c4, c5, c6, c7 = (
-                c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT)
+    elif WS + WR > 0:
+        n = tl.load(NPAGED + b)
+        for t0 in range(0, tl.minimum(n, WS + WR), WBLOCK_T):
+            ptr, tmask = _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE, SUB, WS, WR, WBLOCK_T, DC + DR)
+            c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3 = _row_planes(ptr, tmask, DC, PW, RPW, DT)
+            m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
+                q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3,
+                tmask, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT,
             )  # fmt: skip
-            qk = tl.dot(q0, tl.trans(c0))
-            qk += tl.dot(q1, tl.trans(c1))
-            qk += tl.dot(q2, tl.trans(c2))
-            qk += tl.dot(q3, tl.trans(c3))
-            qk += tl.dot(q4, tl.trans(c4))
-            qk += tl.dot(q5, tl.trans(c5))
-            qk += tl.dot(q6, tl.trans(c6))
-            qk += tl.dot(q7, tl.trans(c7))
-            qk += tl.dot(qr0, tl.trans(r0.to(DT)))
-            qk += tl.dot(qr1, tl.trans(r1.to(DT)))
-            qk += tl.dot(qr2, tl.trans(r2.to(DT)))
-            qk += tl.dot(qr3, tl.trans(r3.to(DT)))
-            qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            pb = pr.to(tl.float16).to(DT)
-            a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
-            a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
-            a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
-            a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
-            a4 = a4 * alpha[:, None] + tl.dot(pb, c4)
-            a5 = a5 * alpha[:, None] + tl.dot(pb, c5)
-            a6 = a6 * alpha[:, None] + tl.dot(pb, c6)
-            a7 = a7 * alpha[:, None] + tl.dot(pb, c7)
-            m_i = m_new
 
+    split = tl.where(split >= 0, split, NS)
     has = l_i > 0
     inv = (1.0 / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))

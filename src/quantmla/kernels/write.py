@@ -16,6 +16,7 @@ import triton.language as tl
 
 from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
 from quantmla.serving.records import RecordLayout
+from quantmla.serving.windows import SUB
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def write_records(
     r: torch.Tensor,
     shadow_rows: torch.Tensor | None = None,
     shadow_map: torch.Tensor | None = None,
-    sub: int = 16,
+    sub: int = SUB,
 ):
     """:meth:`RecordLayout.write_pages` in one launch for ``bf16``, ``c4r4`` and ``c2r4``: tokens
     ``c [N, d_c]``, ``r [N, d_r]`` (rows may be strided) into field-major ``pages`` at ``slots [N]``

