@@ -1,0 +1,51 @@
+"""Corpus v2's kernel reader on a synthetic kernel tarball: what it keeps, what it leaves out, and that the
+choice is deterministic."""
+
+import importlib.util
+import io
+import tarfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_corpus.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("build_corpus", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    (root / "usr/src").mkdir(parents=True)
+    with tarfile.open(root / "usr/src/linux-source-6.1.tar.xz", "w:xz") as tf:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"linux-source-6.1/{name}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+
+
+def test_the_kernel_reader_keeps_sources_and_docs_and_drops_the_rest(tmp_path):
+    bc = _module()
+    body = "static int answer(void)\n{\n\treturn  42;\n}\n" * 20
+    _tree(tmp_path, {
+        "kernel/fork.c": body,
+        "include/linux/sched.h": body,
+        "Documentation/admin-guide/README.rst": ".. _readme:\n\nThe kernel.\n" + "Some prose about it. " * 20,
+        "drivers/gpu/drm/amd/include/asic_reg/gc/gc_9_0_offset.h": body,
+        "drivers/net/firmware.h": "static u8 fw[] = {" + "0x1f, " * 400 + "};\n",
+        "drivers/huge.c": "x" * (bc.KERNEL_MAX_BYTES + 1),
+        "scripts/tool.py": body,
+        "lib/tiny.c": "int x;\n",
+    })  # fmt: skip
+    docs, dropped = bc.collect_kernel(tmp_path, 1.0)
+    kept = [rel for _, rel, _ in docs]
+    assert kept == ["kernel/fork.c", "include/linux/sched.h", "Documentation/admin-guide/README.rst"]
+    assert dropped == {"large": 1, "generated": 1, "hex_tables": 1, "short": 1, "not_sampled": 0}
+    assert "return 42;" in docs[0][2] and "\treturn" in docs[0][2]  # inner runs collapsed, indentation kept
+    assert ".. _readme:" not in docs[2][2]
+    half, dropped_half = bc.collect_kernel(tmp_path, 0.5)
+    assert half == bc.collect_kernel(tmp_path, 0.5)[0]  # deterministic
+    assert {rel for _, rel, _ in half} <= {rel for _, rel, _ in docs}  # a share of the same files
+    assert dropped_half["not_sampled"] > 0
