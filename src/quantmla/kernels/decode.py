@@ -401,7 +401,7 @@ def mla_decode(
         raise ValueError("a BF16 store holds every token unquantised: shadow windows are for a quantised store")
     # with shadows, one more program per (sequence, head group) reads the window rows: split index 0
     sh = (shadow.rows, shadow.map, shadow.rows.shape[0] - 1) if shadow is not None else (q_lat, block_table, 0)
-    sub = shadow.sub if shadow is not None else 16
+    sub = shadow.sub if shadow is not None else SUB
     grid = (B, ns + (shadow is not None), hg)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
-from quantmla.kernels.write import _bf16_bits
+from quantmla.kernels.write import _bf16_bits, field_offsets, fused_scheme
 from quantmla.serving.records import RecordLayout
 from quantmla.serving.windows import SUB
 
@@ -75,11 +75,9 @@ def _gather_kernel(
 
 def has_fused_gather(layout: RecordLayout) -> bool:
     """Whether :func:`gather_rows` covers the layout's scheme (``bf16``, ``c4r4``, ``c2r4``)."""
-    s = layout.cache_scheme
     if "bf16" in layout.fields:
         return True
-    return (s.content.bits in (2, 4) and s.rope.bits == 4 and s.content.kind == s.rope.kind == "int"
-            and layout.kv_lora_rank % CONTENT_PLANES == 0 and layout.rope_dim % ROPE_PLANES == 0)  # fmt: skip
+    return fused_scheme(layout) and layout.kv_lora_rank % CONTENT_PLANES == 0 and layout.rope_dim % ROPE_PLANES == 0
 
 
 def gather_rows(
@@ -112,8 +110,7 @@ def gather_rows(
         return
     s = layout.cache_scheme
     quant = "bf16" not in layout.fields
-    f = layout.fields
-    off = {k: f[k][0] if k in f else 0 for k in ("c_codes", "c_sm", "r_codes", "r_sm")}
+    off = field_offsets(layout)
     slots = slots.long().contiguous()
     _gather_kernel[(n,)](
         pages.view(torch.int32), pages.view(torch.int16), pages.view(torch.float16), slots,

@@ -114,6 +114,21 @@ def _write_kernel(
             tl.store(row + DC + tl.arange(0, DR), _bf16_bits(r))
 
 
+def fused_scheme(layout: RecordLayout) -> bool:
+    """Whether the fused write and read (:mod:`quantmla.kernels.gather`) cover the layout's scheme: ``bf16``
+    or 2/4-bit integer content with a 4-bit integer RoPE key (``c4r4``, ``c2r4``)."""
+    s = layout.cache_scheme
+    return "bf16" in layout.fields or (
+        s.content.bits in (2, 4) and s.rope.bits == 4 and s.content.kind == s.rope.kind == "int"
+    )
+
+
+def field_offsets(layout: RecordLayout) -> dict[str, int]:
+    """Byte offset of each field the fused kernels address within a record (0 where the scheme has none)."""
+    f = layout.fields
+    return {k: f[k][0] if k in f else 0 for k in ("c_codes", "c_sm", "r_codes", "r_sm")}
+
+
 def write_records(
     layout: RecordLayout,
     pages: torch.Tensor,
@@ -131,7 +146,7 @@ def write_records(
     to their shadow rows in BF16 (:meth:`quantmla.serving.windows.ShadowRows.write`)."""
     s = layout.cache_scheme
     quant = "bf16" not in layout.fields
-    if quant and not (s.content.bits in (2, 4) and s.rope.bits == 4 and s.content.kind == s.rope.kind == "int"):
+    if not fused_scheme(layout):
         raise ValueError(f"scheme {layout.scheme!r} has no fused write; valid: bf16, c4r4, c2r4")
     if pages.dtype != torch.uint8 or pages.dim() != 3 or not pages.is_contiguous():
         raise ValueError("pages must be contiguous uint8 [num_blocks, block_size, record_bytes]")
@@ -140,8 +155,7 @@ def write_records(
         return
     if c.stride(-1) != 1 or r.stride(-1) != 1:
         c, r = c.contiguous(), r.contiguous()
-    f = layout.fields
-    off = {k: f[k][0] if k in f else 0 for k in ("c_codes", "c_sm", "r_codes", "r_sm")}
+    off = field_offsets(layout)
     if quant and (layout.kv_lora_rank % CONTENT_PLANES or layout.rope_dim % ROPE_PLANES):
         raise ValueError("the fused write needs d_c divisible by 8 and d_r by 4")
     shadow = shadow_rows is not None
