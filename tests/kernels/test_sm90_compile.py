@@ -33,9 +33,11 @@ def _compile_all() -> None:
                                    DT=tl.float16, WS=4, WR=128, SUB=4, WBLOCK_T=WINDOW_BLOCK_T),
               num_warps=4, num_stages=2)  # fmt: skip
     assert "cp.async" in k.asm["ptx"] and len(k.asm["cubin"]) > 0  # pipelined, assembled
-    k = build(_gather_kernel, dict(DC=512, DR=64, G=64, CB=4, BS=64, REC=324, CC=0, CSM=256, RC=288, RSM=320,
-                                   QUANT=True, SHADOW=True, SUB=4), num_warps=4, enable_fp_fusion=False)  # fmt: skip
-    assert len(k.asm["cubin"]) > 0
+    for quant, rec in ((True, 324), (False, 1152)):  # c4r4 records, and BF16 ones (a branch of its own)
+        consts = dict(DC=512, DR=64, G=64, CB=4, BS=64, REC=rec, CC=0, CSM=256, RC=288, RSM=320, QUANT=quant,
+                      SHADOW=True, SUB=4)  # fmt: skip
+        k = build(_gather_kernel, consts, num_warps=4, enable_fp_fusion=False)
+        assert len(k.asm["cubin"]) > 0
     print("compiled for sm_90")
 
 

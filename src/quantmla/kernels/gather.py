@@ -68,9 +68,9 @@ def _gather_kernel(
             tl.store(out + tl.arange(0, DC), _bf16_bits(c))
             tl.store(out + DC + tl.arange(0, DR), _bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
-            row = P16 + (page + off * REC) // 2
-            tl.store(out + tl.arange(0, DC), tl.load(row + tl.arange(0, DC)))
-            tl.store(out + DC + tl.arange(0, DR), tl.load(row + DC + tl.arange(0, DR)))
+            rec = P16 + (page + off * REC) // 2  # not `row`: Triton types a name once across both branches
+            tl.store(out + tl.arange(0, DC), tl.load(rec + tl.arange(0, DC)))
+            tl.store(out + DC + tl.arange(0, DR), tl.load(rec + DC + tl.arange(0, DR)))
 
 
 def has_fused_gather(layout: RecordLayout) -> bool:

@@ -47,8 +47,8 @@ class _Path:
         planes, pw = self.planes, self.dim // self.planes
         words = layout.page_view(pages, f"{self.name}_codes")  # [n, pages, block_size, bytes]: a view
         words = words.view(torch.int32 if planes * self.bits == 32 else torch.int16)  # [..., pw]
-        x = torch.empty(n, planes, t, pw, dtype=torch.float32)
-        tmp = torch.empty(words.shape, dtype=words.dtype)
+        x = torch.empty(n, planes, t, pw, dtype=torch.float32, device=pages.device)
+        tmp = torch.empty(words.shape, dtype=words.dtype, device=words.device)
         mask = (1 << self.bits) - 1
         for k in range(planes):  # plane k sits at bit k * bits of every word
             torch.bitwise_right_shift(words, self.bits * k, out=tmp)
@@ -133,9 +133,10 @@ def _attend(q_nope, q_pe, records, layout, paths, blocks, seq_lens, scale, win, 
     planes = [p.planes if planar else 1 for p in paths]
     qs = [q.float().view(n, h, k, -1).transpose(1, 2) for q, k in zip((q_nope, q_pe), planes, strict=True)]
     qsum = [q.sum(-1) for q in qs]  # [n, planes, h]: for the minima
-    m = torch.full((n, h, 1), float("-inf"))
-    l_sum = torch.zeros(n, h, 1)
-    acc = torch.zeros(n, planes[0], h, dc // planes[0])  # the content planes of the output
+    dev = q_nope.device
+    m = torch.full((n, h, 1), float("-inf"), device=dev)
+    l_sum = torch.zeros(n, h, 1, device=dev)
+    acc = torch.zeros(n, planes[0], h, dc // planes[0], device=dev)  # the content planes of the output
 
     def attend(parts, mask):  # one tile of both paths: online softmax
         nonlocal m, l_sum, acc
@@ -165,11 +166,11 @@ def _attend(q_nope, q_pe, records, layout, paths, blocks, seq_lens, scale, win, 
         t = rows.shape[1]
         wc = rows[..., :dc].reshape(n, t, planes[0], -1).transpose(1, 2)
         wr = rows[..., dc:].reshape(n, t, planes[1], -1).transpose(1, 2)
-        attend([(wc, None, None), (wr, None, None)], torch.arange(t)[None, :] < count[:, None].long())
+        attend([(wc, None, None), (wr, None, None)], torch.arange(t, device=dev)[None, :] < count[:, None].long())
     start = None if win is None else win[2].long()
     for p0 in range(0, blocks.shape[1], per_chunk):
         blk = blocks[:, p0 : p0 + per_chunk]
-        t = p0 * bs + torch.arange(blk.shape[1] * bs)
+        t = p0 * bs + torch.arange(blk.shape[1] * bs, device=dev)
         valid = t[None, :] < seq_lens[:, None]
         if start is not None:
             valid &= t[None, :] >= start[:, None]  # the sinks: read from the window rows instead
