@@ -347,7 +347,8 @@ def decode_step_gpu(args) -> list[dict]:
 
 
 def report(rows: list[dict], steps: list[dict], out: Path) -> None:
-    plot(rows, out / "serving_throughput.png")
+    if rows:  # a decode-only run into a fresh OUT has no throughput rows to plot
+        plot(rows, out / "serving_throughput.png")
     head = ("workload", "budget MiB", "scheme", "windows", "max_num_seqs", "KV tokens", "peak in flight", "preemptions",
             "s", "output tok/s", "TTFT median s", "TPOT median ms")  # fmt: skip
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
