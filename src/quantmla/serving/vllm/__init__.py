@@ -37,7 +37,7 @@ def register() -> None:
         patch_backend_choice()
     else:
         from quantmla.serving.vllm.cuda_backend import patch_context_gather, patch_kv_cache_spec
-        from quantmla.serving.vllm.windowing import track_block_tables
+        from quantmla.serving.vllm.host_tables import track_block_tables
 
         register_backend(AttentionBackendEnum.FLASH_ATTN_MLA, "quantmla.serving.vllm.cuda_backend.QuantMLACUDABackend")
         patch_kv_cache_spec()

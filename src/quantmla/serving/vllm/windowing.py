@@ -20,45 +20,12 @@ import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 
 from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
 from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
 logger = logging.getLogger("vllm.quantmla")
-#: the host side of vLLM's block tables, by the address of their device buffer (:func:`track_block_tables`)
-_HOST_TABLES: dict[int, object] = {}
-
-
-def track_block_tables() -> None:
-    """Remember the host buffer of every vLLM ``BlockTable`` the model runner makes, so the window plan reads
-    the step's block table on the host (where vLLM wrote it) instead of copying the device table back,
-    which would wait for the GPU every step."""
-    from vllm.v1.worker.block_table import BlockTable
-
-    original = BlockTable.__init__
-    if getattr(original, "_quantmla", False):
-        return
-
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        _HOST_TABLES[self.block_table.gpu.data_ptr()] = self.block_table
-
-    __init__._quantmla = True
-    BlockTable.__init__ = __init__
-
-
-def host_block_table(table: torch.Tensor, n: int):
-    """The first ``n`` rows of a step's block table (vLLM's device tensor) on the host, as numpy: vLLM's
-    host copy when :func:`track_block_tables` saw it made, else a copy back (logged once: it syncs)."""
-    if table.device.type == "cpu":
-        return table[:n].numpy()
-    buf = _HOST_TABLES.get(table.data_ptr())
-    if buf is not None and tuple(buf.gpu.shape[1:]) == tuple(table.shape[1:]):
-        log_once("quantmla windows: planned from vLLM's host block table (no device sync)")
-        return buf.np[:n]
-    log_once("quantmla windows: vLLM's host block table is not known; the plan copies the device table back each"
-             " step (a sync)")  # fmt: skip
-    return table[:n].cpu().numpy()
 
 
 def window_config(sel: Selection | None) -> WindowConfig:
@@ -89,6 +56,8 @@ class WindowPlanning:
         kwargs.setdefault("metadata_cls", QuantMLAMetadata)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
         self.window_pool = None
+        # without speculative decoding every scheduled token is kept: the host upper bound is the length
+        self.exact_lengths = vllm_config.speculative_config is None
         if window_cfg.enabled:
             blocks = vllm_config.cache_config.num_gpu_blocks
             if blocks is None:
@@ -106,10 +75,9 @@ class WindowPlanning:
         qsl = cm.query_start_loc_cpu[: n + 1].numpy()
         pool = self.window_pool
         before = pool.misses
-        # host copies vLLM already holds: no wait for the GPU (seq_lens_cpu copies back only where vLLM has none)
-        seq_host = seq if seq.device.type == "cpu" else cm.seq_lens_cpu[:n]  # vLLM 0.26's host copy
-        pool.plan(host_block_table(cm.block_table_tensor, n), seq_host.numpy(), qsl[1:] - qsl[:-1],
-                  self.kv_cache_spec.block_size)  # fmt: skip
+        # host copies of the step's table and lengths: no wait for the GPU (quantmla.serving.vllm.host_tables)
+        pool.plan(host_block_table(cm.block_table_tensor, n), host_seq_lens(cm, n, self.exact_lengths),
+                  qsl[1:] - qsl[:-1], self.kv_cache_spec.block_size)  # fmt: skip
         if pool.misses > before:
             logger.warning("quantmla windows: %d window tokens had no unquantised copy (a prefix-cache hit, or a"
                            " request long unscheduled) and are read as stored; %d so far", pool.misses - before,
