@@ -44,8 +44,13 @@ def teacher_forced_logits(model, batch, mask, cache) -> torch.Tensor:
     return torch.stack(logits, 1).double().cpu()
 
 
-# group 32 through c2r4, 64 through c4r4 and bf16 (each case is ~40 s in the CPU interpreter)
-@pytest.mark.parametrize("scheme,group", [("c4r4", 64), ("c2r4", 32), ("bf16", 64)])
+# group 32 through c2r4, 64 through c4r4 and bf16. Each case is ~40 s in the CPU interpreter, so CI runs the BF16
+# kernel and one low-bit case (c2r4, group 32); c4r4 at group 64 is the same low-bit kernel at other constants,
+# checked against float64 on the CPU in tests/kernels/test_group_sizes.py, and runs here on a GPU
+_GPU_ONLY = pytest.mark.skipif(DEV == "cpu", reason="the low-bit kernel through the cache runs as c2r4 on the CPU")
+
+
+@pytest.mark.parametrize("scheme,group", [pytest.param("c4r4", 64, marks=_GPU_ONLY), ("c2r4", 32), ("bf16", 64)])
 def test_decode_logits_match_torch_backend(models_and_batch, scheme, group):
     m, m32, batch, mask = models_and_batch
     kw = dict(scheme=scheme, group_size=group, recent=RECENT)

@@ -25,6 +25,7 @@ from vllm_reference import mean_abs_diff, teacher_forced_logprobs  # noqa: E402
 
 PROMPTS = [[532, 2093, 498], list(range(300, 700)), [483, 1719, 9, 3781, 10] * 40]
 GEN = 16
+GROW = 160  # tokens generated per request in the preemption test
 RECORD = {"bf16": 1152, "c4r4": 324, "c2r4": 196}
 LAYERS, BLOCK, SEQS, BUDGET = 8, 16, 4, 48 << 20
 # the windows' shadow rows a layer (sink 4 + recent 128, max_num_seqs 4, float32 model): 34 sub-pages of 4
@@ -158,18 +159,18 @@ def test_lowbit_schemes_agree_with_quantmlas_transformers_path(runs, model_dir, 
 
 def test_a_preempted_run_gives_the_same_outputs(model_dir):
     prompts = [[483 + i, 1719, 9, 3781, 10] * 3 for i in range(4)]
-    free = run_engine(model_dir, "float32", "c4r4", prompts=prompts, max_tokens=300, max_len=320)
-    # 4 requests grow to 315 tokens (20 blocks of 16 each, 80 in all); 24 blocks hold one whole request
-    tight = run_engine(model_dir, "float32", "c4r4", prompts=prompts, max_tokens=300, max_len=320,
+    free = run_engine(model_dir, "float32", "c4r4", prompts=prompts, max_tokens=GROW, max_len=GROW + 20)
+    # 4 requests grow to 15 + GROW = 175 tokens (11 blocks of 16 each, 44 in all); 24 blocks hold two of them
+    tight = run_engine(model_dir, "float32", "c4r4", prompts=prompts, max_tokens=GROW, max_len=GROW + 20,
                        budget=24 * BLOCK * RECORD["c4r4"] * LAYERS + LAYERS * SHADOW)  # fmt: skip
     assert free["preemptions"] == 0 and tight["preemptions"] > 0, (free["preemptions"], tight["preemptions"])
-    assert [len(t) for t in tight["tokens"]] == [300] * 4
+    assert [len(t) for t in tight["tokens"]] == [GROW] * 4
     # a preempted request is recomputed by the prefill path, which attends its generated tokens as computed where
     # decode had read those older than the window as stored (and rounds differently in the last bits): a greedy
     # path can part at a near-tie later on; measured, printed
     same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
             for x, y in zip(tight["tokens"], free["tokens"], strict=True)]  # fmt: skip
-    print(f"preemptions {tight['preemptions']}; tokens equal up to {same} of 300")
+    print(f"preemptions {tight['preemptions']}; tokens equal up to {same} of {GROW}")
     assert min(same) >= 32, same
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from quantmla.cache.paged_store import PagedPathStore
 from quantmla.cache.store import PathStore
 from quantmla.models import families  # noqa: F401  (registers the adapters)
 from quantmla.models.adapter import MLADims, get_adapter
@@ -69,7 +70,9 @@ class LatentCacheConfig:
         ):
             if fmt.kind == "int":
                 try:
-                    check_group(dim, self.group_size)
+                    check_group(dim, fmt.group_size(self.group_size))
+                    if fmt.channel_bits is not None and len(fmt.channel_bits) != dim:
+                        raise ValueError(f"{len(fmt.channel_bits)} channel widths for {dim} channels")
                 except ValueError as e:
                     raise ValueError(f"{what}: {e}") from None
             if fmt.kind == "fp8" and dim % FP8_TILE:
@@ -153,7 +156,9 @@ class QuantizedLatentLayer(DynamicLayer):
     def _init_mid(self, batch: int) -> None:
         cfg = self.cfg
 
-        def store(fmt: PathFormat, dim: int) -> PathStore:
+        def store(fmt: PathFormat, dim: int) -> PathStore | PagedPathStore:
+            if fmt.page is not None:  # per channel within pages of fmt.page tokens
+                return PagedPathStore(fmt, dim, batch, self.hp_dtype, self.device, cfg.page_size)
             return PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size)
 
         self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from quantmla.quant.affine import dequantize_groups, quantize_groups
+from quantmla.quant.clip import quantize_clipped
 from quantmla.quant.fp8 import FP8_TILE, dequantize_fp8, quantize_fp8
+from quantmla.quant.mixed import dequantize_mixed, pack_mixed, packed_bytes, quantize_mixed, unpack_mixed
 from quantmla.quant.packing import pack_codes, unpack_codes
 from quantmla.quant.scheme import PathFormat
 
@@ -27,6 +29,11 @@ class PathStore:
         device: torch.device,
         page_size: int = 64,
     ) -> None:
+        if fmt.page is not None:
+            raise ValueError(f"the per-channel-in-page format {fmt.spec!r} is held by PagedPathStore")
+        if fmt.channel_bits is not None and len(fmt.channel_bits) != dim:
+            raise ValueError(f"{len(fmt.channel_bits)} channel widths for a path of {dim} channels")
+        group_size = fmt.group_size(group_size)  # the path's own group, if it has one
         self.fmt, self.dim, self.group_size, self.page_size = fmt, dim, group_size, page_size
         self.batch, self.hp_dtype, self.device = batch, hp_dtype, device
         self.length = 0
@@ -41,6 +48,13 @@ class PathStore:
         if self.fmt.kind == "fp8":
             return {"values": (d, torch.float8_e4m3fn), "scale": (d // FP8_TILE, torch.float32)}
         g = d // self.group_size
+        if self.fmt.channel_bits is not None:
+            bits = self.fmt.channel_bits
+            return {
+                "codes": (packed_bytes(bits), torch.uint8),
+                "minimum": (g, torch.float16),
+                "span": (g, torch.float16),
+            }
         return {
             "codes": (d * self.fmt.bits // 8, torch.uint8),
             "scale": (g, torch.float16),
@@ -57,7 +71,13 @@ class PathStore:
         if self.fmt.kind == "fp8":
             q = quantize_fp8(x, check=check)
             return {"values": q.values, "scale": q.scale}
-        q = quantize_groups(x, self.fmt.bits, self.group_size, check=check)
+        if self.fmt.channel_bits is not None:
+            m = quantize_mixed(x, self.fmt.channel_bits, self.group_size, check=check)
+            return {"codes": pack_mixed(m.codes, m.bits), "minimum": m.minimum, "span": m.span}
+        if self.fmt.clip is not None:
+            q = quantize_clipped(x, self.fmt.bits, self.group_size, self.fmt.clip, check=check)
+        else:
+            q = quantize_groups(x, self.fmt.bits, self.group_size, check=check)
         return {"codes": pack_codes(q.codes, self.fmt.bits), "scale": q.scale, "minimum": q.minimum}
 
     def append(self, x: torch.Tensor, check: bool = True) -> None:
@@ -84,6 +104,11 @@ class PathStore:
             return t["values"].to(dtype)
         if self.fmt.kind == "fp8":
             return dequantize_fp8(t["values"], t["scale"], FP8_TILE, dtype)
+        if self.fmt.channel_bits is not None:
+            bits = self.fmt.channel_bits
+            return dequantize_mixed(
+                unpack_mixed(t["codes"], bits), t["minimum"], t["span"], bits, self.group_size, dtype
+            )
         codes = unpack_codes(t["codes"], self.fmt.bits, self.dim)
         return dequantize_groups(codes, t["scale"], t["minimum"], self.group_size, dtype)
 

@@ -54,6 +54,9 @@ class CalibrationConfig:
         s = parse_scheme(self.scheme)
         if not s.quantized:
             raise ValueError(f"scheme={self.scheme!r} does not quantise: nothing to calibrate")
+        if s.content.page is not None or s.rope.page is not None:
+            raise ValueError(f"scheme={self.scheme!r}: calibration does not handle per-channel-in-page formats yet;"
+                             " valid: per-token formats (c<b>r<b>, with g<n>, q<pct> or m...)")  # fmt: skip
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; valid: {', '.join(METHODS)}")
         bad = [p for p in self.paths if p not in PATHS]

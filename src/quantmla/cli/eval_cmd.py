@@ -28,11 +28,12 @@ def results_table(title: str, results) -> Table:
     t = Table(
         title=title,
         caption="bytes/token: allocated storage of a QuantizedLatentCache after the model's prefill of the first "
-        "window (per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype",
+        "window (per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype; BPE: bits "
+        "per cached element of the stored format, metadata included (formula; the windows not counted)",
     )
     t.add_column("scheme", justify="right", min_width=max(len(r.label) for r in results), no_wrap=True)
     cols = ("sink+recent", "perplexity", "95% CI", "vs first", "vs first 95% CI (paired)", "bytes/token",
-            "vs unquantised", "tokens")  # fmt: skip
+            "vs unquantised", "BPE", "tokens")  # fmt: skip
     for col in cols:
         t.add_column(col, justify="right")
     base = results[0].ppl
@@ -50,6 +51,7 @@ def results_table(title: str, results) -> Table:
             paired,
             f"{r.bytes_per_token:.1f}",
             f"{r.unquantised_bytes_per_token / r.bytes_per_token:.2f}x",
+            "-" if r.bits_per_element is None else f"{r.bits_per_element:.2f}",
             str(r.tokens),
         )
     return t
@@ -62,8 +64,9 @@ def ppl(
         None,
         "--scheme",
         "-s",
-        help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b> (default: the model's "
-        "quantmla.json scheme, else bf16).",
+        help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b>, with per-path g<group>, "
+        "q<clip percentile>, p<page> or m<b>x<n>-... (e.g. c2g128q94r4p128) (default: the model's quantmla.json "
+        "scheme, else bf16).",
     ),
     seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
     num_seqs: int = typer.Option(

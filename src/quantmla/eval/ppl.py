@@ -70,6 +70,9 @@ class PerplexityResult:
     total_windows: int | None = None  # full windows in the text (``sequences`` of them were evaluated)
     kl: float | None = None  # per token, from the same model with a full-precision cache (PerplexityConfig.kl)
     window_nll: list[float] | None = None  # summed NLL of each window (PerplexityConfig.per_window)
+    #: effective bits per cached element of the stored (quantised) format, metadata included, from its formula
+    #: at the model's latent and RoPE dims (the windows' unquantised tokens not counted)
+    bits_per_element: float | None = None
 
     @property
     def label(self) -> str:
@@ -125,6 +128,11 @@ def bootstrap_ppl(window_nll: list[float], tokens_per_window: int, resamples: in
     ppl = torch.exp(x[idx].mean(1) / tokens_per_window)
     lo, hi = torch.quantile(ppl, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return lo, hi
+
+
+def _dims(model_config) -> tuple[int, int]:
+    dims = get_adapter(model_config).dims(model_config)
+    return dims.kv_lora_rank, dims.rope_dim
 
 
 def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
@@ -198,6 +206,7 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         group_size=cfg.group_size,
         bytes_per_token=bpt,
         unquantised_bytes_per_token=ref_bpt,
+        bits_per_element=cache_config(model.config, cfg).scheme.bits_per_element(*_dims(model.config), cfg.group_size),
         dtype=dtype_name(param.dtype),
         device=str(device),
         cache_backend=backend,

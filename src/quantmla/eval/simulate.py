@@ -32,20 +32,29 @@ class SimulatedDecodeCache:
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
 
-    def full_precision_mask(self, s: int, device) -> torch.Tensor:
-        """``[S, S]`` True where query t sees key j unquantised (sinks, its last ``recent`` tokens)."""
+    def full_precision_mask(self, s: int, device, page: int | None = None) -> torch.Tensor:
+        """``[S, S]`` True where query t sees key j unquantised: the sinks and its last ``recent`` tokens, and
+        for a per-channel-in-page path (``page``) also the tokens past the window whose page is not full yet
+        (pages of the cache's middle: from position ``sink`` on, filled as tokens leave the window)."""
         t = torch.arange(s, device=device).unsqueeze(1)
         j = torch.arange(s, device=device).unsqueeze(0)
         if not self.scheme.quantized:
             return torch.ones(s, s, dtype=torch.bool, device=device)
-        return (j < self.sink) | (j > t - self.recent)
+        hp = (j < self.sink) | (j > t - self.recent)
+        if page is None:
+            return hp
+        done = (t - self.recent - self.sink + 1).clamp_min(0) // page * page  # tokens in full pages of the middle
+        return hp | (j >= self.sink + done)
 
     def quantize(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The latent and RoPE key as the cache stores them (dequantised)."""
-        return (
-            self.scheme.content.fake_quantize(latent, self.group_size),
-            self.scheme.rope.fake_quantize(rope_key, self.group_size),
-        )
+        """The latent and RoPE key as the cache stores them (dequantised; a paged path in pages from ``sink``)."""
+
+        def stored(fmt, x):
+            if fmt.page is None or not self.sink:
+                return fmt.fake_quantize(x, self.group_size)
+            return torch.cat([x[..., : self.sink, :], fmt.fake_quantize(x[..., self.sink :, :], self.group_size)], -2)
+
+        return stored(self.scheme.content, latent), stored(self.scheme.rope, rope_key)
 
     def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask) -> torch.Tensor:
         s, l_kv = q_nope.shape[-2], latent.shape[-2]
@@ -57,10 +66,16 @@ class SimulatedDecodeCache:
         c_q, k_q = self.quantize(latent, rope_key)
         q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
         acc = torch.promote_types(q_lat.dtype, torch.float32)
-        s_hp = (q_lat @ latent.transpose(-1, -2) + q_pe @ rope_key.transpose(-1, -2)).to(acc)
-        s_q = (q_lat @ c_q.transpose(-1, -2) + q_pe @ k_q.transpose(-1, -2)).to(acc)
-        hp = self.full_precision_mask(s, q_nope.device)
-        scores = torch.where(hp, s_hp, s_q) * scale
+        hp = self.full_precision_mask(s, q_nope.device, self.scheme.content.page)
+        if self.scheme.rope.page == self.scheme.content.page:  # one mask for both paths
+            s_hp = (q_lat @ latent.transpose(-1, -2) + q_pe @ rope_key.transpose(-1, -2)).to(acc)
+            s_q = (q_lat @ c_q.transpose(-1, -2) + q_pe @ k_q.transpose(-1, -2)).to(acc)
+            scores = torch.where(hp, s_hp, s_q) * scale
+        else:  # a paged path: each path read unquantised where its own mask says
+            hp_r = self.full_precision_mask(s, q_nope.device, self.scheme.rope.page)
+            s_c = torch.where(hp, (q_lat @ latent.transpose(-1, -2)).to(acc), (q_lat @ c_q.transpose(-1, -2)).to(acc))
+            s_r = torch.where(hp_r, (q_pe @ rope_key.transpose(-1, -2)).to(acc), (q_pe @ k_q.transpose(-1, -2)).to(acc))
+            scores = (s_c + s_r) * scale
         if mask is None:
             mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
         if mask.dtype == torch.bool:

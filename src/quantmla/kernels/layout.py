@@ -113,6 +113,10 @@ class PagedLayout:
         s = parse_scheme(scheme)
 
         def b(fmt) -> int:
+            if not fmt.uniform:
+                raise NoKernelLayout(
+                    f"scheme {s.name!r}: the kernel reads plain per-token groups; valid: bf16, c4r4, c2r4"
+                )
             if fmt.kind == "fp8":
                 raise NoKernelLayout(f"scheme {s.name!r}: the kernel has no FP8 path; valid: bf16, c4r4, c2r4")
             if fmt.kind == "bf16":

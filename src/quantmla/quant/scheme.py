@@ -1,8 +1,21 @@
 """Cache schemes: how each of the two cached paths (content latent, RoPE key) is stored.
 
 Names: ``bf16`` (nothing quantised), ``fp8`` (content FP8 e4m3 with a power-of-two scale per 128
-values, RoPE key BF16: FlashMLA's DeepSeek-V3.2 layout) and ``c<b>r<b>`` with content and RoPE
-bits in {2, 3, 4, 8} (per-token asymmetric affine groups, fp16 scale and minimum per group).
+values, RoPE key BF16: FlashMLA's DeepSeek-V3.2 layout) and ``c<spec>r<spec>`` with, for each path,
+
+* ``<b>``: ``b`` bits in {2, 3, 4, 8}, per-token asymmetric affine groups (fp16 scale and minimum per
+  group of the cache's ``group_size``), e.g. ``c4r4``, ``c2r4``;
+* optional ``g<n>``: this path's own group of ``n`` channels (``c2g128``);
+* optional ``q<pct>``: clip each token at the ``pct``-th percentile of ``|x|`` first (``c2g128q94``:
+  RAQ-MLA's INT2 latent, :mod:`~quantmla.quant.clip`);
+* optional ``p<P>``: per channel within a page of ``P`` tokens instead of per-token groups (``r4p128``:
+  RAQ-MLA's RoPE key, :mod:`~quantmla.quant.channel`; the tokens of a page still filling stay
+  unquantised);
+* or ``m<b>x<n>-<b>x<n>...``: mixed widths, runs of ``n`` channels at ``b`` bits in channel order, sharing
+  per-token groups (:mod:`~quantmla.quant.mixed`; Block-GTQ's allocation over the RoPE pairs).
+
+So RAQ-MLA's quantiser table is ``c2g128q94r4p128``. Every format reports its storage per token and its
+effective bits per element (BPE), metadata included.
 """
 
 from __future__ import annotations
@@ -14,44 +27,122 @@ from typing import Literal
 import torch
 
 from quantmla.quant.affine import QUANT_BITS, quantize_groups
+from quantmla.quant.channel import dequantize_per_channel, quantize_per_channel
+from quantmla.quant.clip import check_quantile, quantize_clipped
 from quantmla.quant.fp8 import FP8_TILE, quantize_fp8
+from quantmla.quant.mixed import check_channel_bits, packed_bytes, quantize_mixed
 
 PathKind = Literal["bf16", "int", "fp8"]
-_INT_RE = re.compile(r"^c(\d+)r(\d+)$")
+_SPEC = r"(?:(\d+)|m(\d+x\d+(?:-\d+x\d+)*))(?:g(\d+))?(?:q(\d+(?:\.\d+)?))?(?:p(\d+))?"
+_INT_RE = re.compile(rf"^c{_SPEC}r{_SPEC}$")
 
 
 @dataclass(frozen=True)
 class PathFormat:
-    """Storage of one cached path."""
+    """Storage of one cached path.
+
+    ``group``: this path's group size (``None``: the cache's); ``clip``: per-token clipping quantile;
+    ``page``: per channel within pages of this many tokens; ``channel_bits``: a width per channel (mixed).
+    """
 
     kind: PathKind
     bits: int = 16
+    group: int | None = None
+    clip: float | None = None
+    page: int | None = None
+    channel_bits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.kind == "int" and self.bits not in QUANT_BITS:
-            raise ValueError(f"integer path bits={self.bits} not supported; valid: {QUANT_BITS}")
         if self.kind not in ("bf16", "int", "fp8"):
             raise ValueError(f"path kind {self.kind!r} unknown; valid: bf16, int, fp8")
+        extras = (self.group, self.clip, self.page, self.channel_bits)
+        if self.kind != "int" and any(e is not None for e in extras):
+            raise ValueError(f"group, clipping, pages and mixed widths apply to integer paths, not {self.kind}")
+        if self.kind == "int" and self.channel_bits is None and self.bits not in QUANT_BITS:
+            raise ValueError(f"integer path bits={self.bits} not supported; valid: {QUANT_BITS}")
+        if self.group is not None and self.group <= 0:
+            raise ValueError(f"group={self.group} must be positive")
+        if self.clip is not None:
+            check_quantile(self.clip)
+        if self.page is not None and (self.page <= 0 or self.group is not None or self.clip is not None):
+            raise ValueError(f"page={self.page}: a positive page size, without a channel group or clipping")
+        if self.channel_bits is not None:
+            check_channel_bits(self.channel_bits, len(self.channel_bits))
+            if self.page is not None or self.clip is not None:
+                raise ValueError("mixed channel widths take neither pages nor clipping")
 
     @property
     def quantized(self) -> bool:
         return self.kind != "bf16"
 
+    @property
+    def uniform(self) -> bool:
+        """Plain per-token groups at the cache's group size: the formats the kernels and records hold."""
+        return self.group is None and self.clip is None and self.page is None and self.channel_bits is None
+
+    @property
+    def spec(self) -> str:
+        """This path's part of a scheme name (``c<spec>r<spec>``)."""
+        if self.channel_bits is not None:
+            runs: list[list[int]] = []
+            for b in self.channel_bits:
+                if runs and runs[-1][0] == b:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([b, 1])
+            out = "m" + "-".join(f"{b}x{n}" for b, n in runs)
+        else:
+            out = str(self.bits)
+        if self.group is not None:
+            out += f"g{self.group}"
+        if self.clip is not None:
+            out += f"q{100 * self.clip:g}"
+        if self.page is not None:
+            out += f"p{self.page}"
+        return out
+
+    def group_size(self, default: int) -> int:
+        return self.group if self.group is not None else default
+
     def fake_quantize(self, x: torch.Tensor, group_size: int = 64) -> torch.Tensor:
-        """``x`` stored and read back in this format (per token, so it equals the cache's values)."""
+        """``x`` stored and read back in this format (so it equals the cache's values). A paged format
+        quantises the whole pages along ``x``'s token axis (dim -2) and leaves a page still filling as is."""
         if self.kind == "bf16":
             return x
         if self.kind == "fp8":
             return quantize_fp8(x).dequantize(x.dtype)
-        return quantize_groups(x, self.bits, group_size).dequantize(x.dtype)
+        g = self.group_size(group_size)
+        if self.channel_bits is not None:
+            if len(self.channel_bits) != x.shape[-1]:
+                raise ValueError(f"{len(self.channel_bits)} channel widths for a path of {x.shape[-1]} channels")
+            return quantize_mixed(x, self.channel_bits, g).dequantize(x.dtype)
+        if self.page is not None:
+            full = x.shape[-2] // self.page * self.page
+            if full == 0:
+                return x
+            q = dequantize_per_channel(quantize_per_channel(x[..., :full, :], self.bits, self.page), x.dtype)
+            return torch.cat([q, x[..., full:, :]], dim=-2)
+        if self.clip is not None:
+            return quantize_clipped(x, self.bits, g, self.clip).dequantize(x.dtype)
+        return quantize_groups(x, self.bits, g).dequantize(x.dtype)
 
-    def bytes_per_token(self, dim: int, group_size: int, hp_bytes: int = 2) -> int:
-        """Persistent bytes for one token's ``dim`` values in this format."""
+    def bytes_per_token(self, dim: int, group_size: int, hp_bytes: int = 2) -> float:
+        """Persistent bytes for one token's ``dim`` values in this format (a paged format's metadata
+        amortised over its page: a fraction)."""
         if self.kind == "bf16":
             return dim * hp_bytes
         if self.kind == "fp8":
             return dim + (dim // FP8_TILE) * 4
-        return dim * self.bits // 8 + (dim // group_size) * 4  # fp16 scale + fp16 minimum
+        if self.page is not None:
+            return dim * self.bits / 8 + dim * 4 / self.page
+        groups = dim // self.group_size(group_size)
+        if self.channel_bits is not None:
+            return packed_bytes(self.channel_bits) + groups * 4
+        return dim * self.bits // 8 + groups * 4  # fp16 scale + fp16 minimum
+
+    def bits_per_element(self, dim: int, group_size: int, hp_bytes: int = 2) -> float:
+        """Effective bits per cached element (BPE), metadata included."""
+        return 8 * self.bytes_per_token(dim, group_size, hp_bytes) / dim
 
 
 @dataclass(frozen=True)
@@ -64,14 +155,38 @@ class CacheScheme:
     def quantized(self) -> bool:
         return self.content.quantized or self.rope.quantized
 
-    def bytes_per_token(self, kv_lora_rank: int, rope_dim: int, group_size: int = 64) -> int:
-        """Persistent bytes of one quantised token (both paths)."""
+    @property
+    def uniform(self) -> bool:
+        """Both paths plain per-token groups at the cache's group size (what the kernels and records hold)."""
+        return self.content.uniform and self.rope.uniform
+
+    def bytes_per_token(self, kv_lora_rank: int, rope_dim: int, group_size: int = 64) -> float:
+        """Persistent bytes of one quantised token (both paths; a paged path's metadata amortised)."""
         return self.content.bytes_per_token(kv_lora_rank, group_size) + self.rope.bytes_per_token(rope_dim, group_size)
+
+    def bits_per_element(self, kv_lora_rank: int, rope_dim: int, group_size: int = 64) -> float:
+        """Effective bits per cached element (BPE) over both paths, metadata included."""
+        return 8 * self.bytes_per_token(kv_lora_rank, rope_dim, group_size) / (kv_lora_rank + rope_dim)
 
 
 def valid_scheme_names() -> list[str]:
+    """The plain names (each path's bits only); ``parse_scheme`` accepts the longer ``c<spec>r<spec>`` too."""
     ints = [f"c{c}r{r}" for c in QUANT_BITS for r in QUANT_BITS]
     return ["bf16", "fp8", *ints]
+
+
+def _path(bits, runs, group, pct, page) -> PathFormat:
+    mixed = None
+    if runs:
+        mixed = tuple(int(b) for run in runs.split("-") for b, n in [run.split("x")] for _ in range(int(n)))
+    return PathFormat(
+        "int",
+        int(bits) if bits else 16,
+        group=int(group) if group else None,
+        clip=float(pct) / 100 if pct else None,
+        page=int(page) if page else None,
+        channel_bits=mixed,
+    )
 
 
 def parse_scheme(name: str | CacheScheme) -> CacheScheme:
@@ -84,9 +199,17 @@ def parse_scheme(name: str | CacheScheme) -> CacheScheme:
     if key == "fp8":
         return CacheScheme("fp8", PathFormat("fp8", 8), PathFormat("bf16"))
     m = _INT_RE.match(key)
-    if m and int(m.group(1)) in QUANT_BITS and int(m.group(2)) in QUANT_BITS:
-        return CacheScheme(key, PathFormat("int", int(m.group(1))), PathFormat("int", int(m.group(2))))
-    raise ValueError(
-        f"unknown cache scheme {name!r}; valid: bf16, fp8, or c<b>r<b> with content and RoPE bits in "
-        f"{QUANT_BITS} (e.g. c4r4, c2r4, c8r8)"
-    )
+    if m:
+        try:
+            content, rope = _path(*m.groups()[:5]), _path(*m.groups()[5:])
+        except ValueError as e:
+            raise ValueError(f"unknown cache scheme {name!r} ({e}); {_VALID}") from None
+        return CacheScheme(f"c{content.spec}r{rope.spec}", content, rope)
+    raise ValueError(f"unknown cache scheme {name!r}; {_VALID}")
+
+
+_VALID = (
+    f"valid: bf16, fp8, or c<b>r<b> with content and RoPE bits in {QUANT_BITS} (e.g. c4r4, c2r4, c8r8), each "
+    "optionally followed by g<group>, q<clip percentile> or p<page> (e.g. c2g128q94r4p128), or m<b>x<n>-... mixed "
+    "widths"
+)

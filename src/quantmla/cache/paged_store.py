@@ -1,0 +1,99 @@
+"""Per-channel-within-page storage of one cached path (RAQ-MLA's RoPE key, KIVI-style keys).
+
+Tokens arrive in order (the cache's middle: those that left the recent window). Every ``P`` of them form
+a page; once a page is full it is quantised per channel (:func:`~quantmla.quant.channel.quantize_per_channel`:
+fp16 scale and minimum per channel and page, codes bit-packed per token). The tokens of the page still
+filling are kept as computed, in a buffer of ``P`` rows. Storage: ``d * bits / 8`` bytes a token, ``4 d``
+bytes a page, and the buffer; :meth:`PagedPathStore.nbytes` reports what is allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.quant.affine import GroupQuantized, check_quantizable
+from quantmla.quant.channel import dequantize_per_channel, quantize_per_channel
+from quantmla.quant.packing import pack_codes, unpack_codes
+from quantmla.quant.scheme import PathFormat
+
+
+class PagedPathStore:
+    """Same interface as :class:`~quantmla.cache.store.PathStore` (``append``, ``dequantize``, ``nbytes``,
+    ``map_batch``, ``length``), for a format with ``page`` set."""
+
+    def __init__(
+        self,
+        fmt: PathFormat,
+        dim: int,
+        batch: int,
+        hp_dtype: torch.dtype,
+        device: torch.device,
+        page_size: int = 64,
+    ) -> None:
+        if fmt.page is None or fmt.kind != "int":
+            raise ValueError(f"PagedPathStore holds per-channel-in-page integer formats, not {fmt}")
+        self.fmt, self.dim, self.page, self.batch = fmt, dim, fmt.page, batch
+        self.hp_dtype, self.device = hp_dtype, device
+        self.grow_pages = max(1, page_size // fmt.page)  # allocation granularity, in pages
+        self.full = 0  # whole pages stored
+        self.fill = 0  # tokens in the page still filling
+        b, p = batch, fmt.page
+        self.tensors: dict[str, torch.Tensor] = {
+            "codes": torch.empty(b, 0, dim * fmt.bits // 8, dtype=torch.uint8, device=device),
+            "scale": torch.empty(b, 0, dim, dtype=torch.float16, device=device),
+            "minimum": torch.empty(b, 0, dim, dtype=torch.float16, device=device),
+            "filling": torch.empty(b, p, dim, dtype=hp_dtype, device=device),
+        }
+
+    @property
+    def length(self) -> int:
+        return self.full * self.page + self.fill
+
+    def _grow(self, pages: int) -> None:
+        have = self.tensors["scale"].shape[1]
+        if pages <= have:
+            return
+        cap = -(-pages // self.grow_pages) * self.grow_pages
+        for name, per in (("codes", self.page), ("scale", 1), ("minimum", 1)):
+            t = self.tensors[name]
+            grown = torch.empty(self.batch, cap * per, t.shape[-1], dtype=t.dtype, device=t.device)
+            grown[:, : self.full * per] = t[:, : self.full * per]
+            self.tensors[name] = grown
+
+    def append(self, x: torch.Tensor, check: bool = True) -> None:
+        """Store ``x [batch, n, dim]``: whole pages quantised, the rest kept as computed until its page fills."""
+        n = x.shape[1]
+        if n == 0:
+            return
+        if check:
+            check_quantizable(x, "x")
+        p = self.page
+        pending = torch.cat([self.tensors["filling"][:, : self.fill].to(x.dtype), x], dim=1)
+        pages = pending.shape[1] // p
+        if pages:
+            q = quantize_per_channel(pending[:, : pages * p], self.fmt.bits, p, check=False)
+            self._grow(self.full + pages)
+            t0, t1 = self.full * p, (self.full + pages) * p
+            self.tensors["codes"][:, t0:t1] = pack_codes(q.codes, self.fmt.bits)
+            self.tensors["scale"][:, self.full : self.full + pages] = q.scale
+            self.tensors["minimum"][:, self.full : self.full + pages] = q.minimum
+            self.full += pages
+        rest = pending[:, pages * p :]
+        self.tensors["filling"][:, : rest.shape[1]] = rest.to(self.hp_dtype)
+        self.fill = rest.shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        p, t = self.page, self.full * self.page
+        codes = unpack_codes(self.tensors["codes"][:, :t], self.fmt.bits, self.dim)
+        scale, minimum = self.tensors["scale"][:, : self.full], self.tensors["minimum"][:, : self.full]
+        q = GroupQuantized(codes, scale, minimum, self.fmt.bits, p)
+        stored = dequantize_per_channel(q, dtype)
+        return torch.cat([stored, self.tensors["filling"][:, : self.fill].to(dtype)], dim=1)
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated arrays (whole allocation units of pages, and the filling page's buffer)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def map_batch(self, fn) -> None:
+        self.tensors = {k: fn(v) for k, v in self.tensors.items()}
+        self.batch = self.tensors["scale"].shape[0]

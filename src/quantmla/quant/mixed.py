@@ -1,0 +1,119 @@
+"""Mixed bit widths within a per-token group: an integer width per channel (per RoPE frequency pair).
+
+Block-GTQ allocates bits to the RoPE key's 2-D frequency blocks; here each channel ``i`` gets ``bits[i]``
+bits (both channels of a pair the same), and a group of ``group_size`` channels of one token shares one
+range, stored as its fp16 minimum (rounded down) and fp16 span ``max - min`` (rounded up). Channel ``i``
+reads the range on its own grid, ``scale_i = span / (2**bits[i] - 1)``:
+
+    code_i = clamp(round((x_i - min) / scale_i), 0, 2**bits[i] - 1),  x_hat_i = code_i * scale_i + min,
+
+so ``|x_i - x_hat_i| <= scale_i / 2`` and the metadata is that of the uniform quantiser (32 bits a group).
+Codes are packed as one little-endian bit stream per token, channel after channel, padded to a byte:
+``ceil(sum(bits) / 8)`` bytes plus 4 a group. A zero width stores nothing: the channel reads as ``min``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.quant.affine import FP16_MAX, _fp16_round, check_group, check_quantizable
+
+MIXED_BITS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
+
+
+def check_channel_bits(bits: tuple[int, ...], dim: int) -> None:
+    if len(bits) != dim:
+        raise ValueError(f"{len(bits)} channel bit widths for a path of {dim} channels")
+    bad = sorted({b for b in bits if b not in MIXED_BITS})
+    if bad:
+        raise ValueError(f"channel bit widths {bad} not supported; valid: {MIXED_BITS}")
+
+
+def pair_channel_bits(pair_bits: tuple[int, ...], pairs: list[tuple[int, int]]) -> tuple[int, ...]:
+    """Per-channel widths from one width per 2-D block ``pairs[k] = (i, j)`` (the model's RoPE pairs)."""
+    if len(pair_bits) != len(pairs):
+        raise ValueError(f"{len(pair_bits)} pair bit widths for {len(pairs)} RoPE pairs")
+    out = [0] * (2 * len(pairs))
+    for b, (i, j) in zip(pair_bits, pairs, strict=True):
+        out[i] = out[j] = int(b)
+    return tuple(out)
+
+
+def packed_bytes(bits: tuple[int, ...]) -> int:
+    """Bytes of one token's codes."""
+    return -(-sum(bits) // 8)
+
+
+@dataclass(frozen=True)
+class MixedQuantized:
+    """Unpacked codes (uint8, ``x``'s shape), fp16 ``minimum`` and ``span`` per group."""
+
+    codes: torch.Tensor
+    minimum: torch.Tensor
+    span: torch.Tensor
+    bits: tuple[int, ...]
+    group_size: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_mixed(self.codes, self.minimum, self.span, self.bits, self.group_size, dtype)
+
+
+def _levels(bits: tuple[int, ...], device) -> torch.Tensor:
+    return torch.tensor([(1 << b) - 1 for b in bits], dtype=torch.float32, device=device)
+
+
+def quantize_mixed(x: torch.Tensor, bits: tuple[int, ...], group_size: int, check: bool = True) -> MixedQuantized:
+    """Quantise the last dimension of ``x`` with ``bits[i]`` bits for channel ``i``, groups of ``group_size``."""
+    d = x.shape[-1]
+    check_channel_bits(bits, d)
+    check_group(d, group_size)
+    if check:
+        check_quantizable(x, "x")
+    xf = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
+    minimum = _fp16_round(xf.amin(-1).double(), float("-inf")).clamp_min(-FP16_MAX)
+    span = _fp16_round(xf.amax(-1).double() - minimum.double(), float("inf"))
+    levels = _levels(bits, x.device).reshape(d // group_size, group_size)
+    scale = span.float().unsqueeze(-1) / levels.clamp_min(1)  # [..., groups, group_size]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((xf - minimum.float().unsqueeze(-1)) / safe)
+    codes = torch.minimum(codes.clamp_min_(0), levels).masked_fill_(scale <= 0, 0)
+    return MixedQuantized(codes.to(torch.uint8).reshape(x.shape), minimum, span, tuple(bits), group_size)
+
+
+def dequantize_mixed(codes, minimum, span, bits, group_size, dtype=torch.float32) -> torch.Tensor:
+    d = codes.shape[-1]
+    levels = _levels(bits, codes.device).reshape(d // group_size, group_size)
+    c = codes.float().reshape(*codes.shape[:-1], d // group_size, group_size)
+    x = c * (span.float().unsqueeze(-1) / levels.clamp_min(1)) + minimum.float().unsqueeze(-1)
+    return x.reshape(codes.shape).to(dtype)
+
+
+def _stream(bits: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each bit of the packed stream: the channel it belongs to and its place in that channel's code."""
+    ch = [i for i, b in enumerate(bits) for _ in range(b)]
+    sh = [k for b in bits for k in range(b)]
+    return torch.tensor(ch, dtype=torch.long, device=device), torch.tensor(sh, dtype=torch.long, device=device)
+
+
+def pack_mixed(codes: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
+    """``codes [..., d]`` into ``[..., packed_bytes(bits)]`` uint8: one bit stream per token."""
+    ch, sh = _stream(bits, codes.device)
+    stream = (codes.long()[..., ch] >> sh) & 1  # [..., total bits]
+    n = packed_bytes(bits)
+    stream = torch.nn.functional.pad(stream, (0, 8 * n - stream.shape[-1]))
+    place = torch.arange(8, device=codes.device)
+    return (stream.reshape(*codes.shape[:-1], n, 8) << place).sum(-1).to(torch.uint8)
+
+
+def unpack_mixed(packed: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`pack_mixed`: ``[..., len(bits)]`` uint8 codes."""
+    if packed.shape[-1] != packed_bytes(bits):
+        raise ValueError(f"packed last dim {packed.shape[-1]} does not hold codes of widths summing to {sum(bits)}")
+    ch, sh = _stream(bits, packed.device)
+    k = torch.arange(ch.numel(), device=packed.device)
+    bit = (packed.long()[..., k // 8] >> (k % 8)) & 1
+    out = torch.zeros(*packed.shape[:-1], len(bits), dtype=torch.long, device=packed.device)
+    out.index_add_(-1, ch, bit << sh)
+    return out.to(torch.uint8)
