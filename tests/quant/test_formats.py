@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantmla.cache.paged_store import PagedPathStore
 from quantmla.cache.store import PathStore
 from quantmla.quant.clip import clip_threshold, quantize_clipped
 from quantmla.quant.mixed import (
@@ -101,15 +102,21 @@ def test_bits_per_element_formula(name, bpe):
     assert parse_scheme(name).bits_per_element(512, 64, 64) == pytest.approx(bpe, rel=1e-12)
 
 
-@pytest.mark.parametrize("name", ["c2g128q94r4", "c4rm4x16-3x16-2x32", "c2g128r4g32", "c3r8"])
+@pytest.mark.parametrize("name", ["c2g128q94r4", "c4rm4x16-3x16-2x32", "c2g128r4g32", "c3r8", "c4r4p8",
+                                  "c4rm5x8-3x24-2x32p8"])  # fmt: skip
 def test_storage_equals_the_formula(name):
     """PathStore's allocated bytes per token equal the format's formula, and reads back its fake quantisation."""
     s = parse_scheme(name)
     for fmt, dim in ((s.content, 512), (s.rope, 64)):
-        store = PathStore(fmt, dim, 64, 2, torch.float32, torch.device("cpu"), page_size=16)
         x = _x(5, (2, 16, dim))
-        store.append(x)
-        assert store.nbytes() == 2 * 16 * fmt.bytes_per_token(dim, 64)
+        if fmt.page is None:
+            store = PathStore(fmt, dim, 64, 2, torch.float32, torch.device("cpu"), page_size=16)
+        else:  # whole pages only: the page still filling is a buffer of P rows on top
+            store = PagedPathStore(fmt, dim, 2, torch.float32, torch.device("cpu"), page_size=16)
+        store.append(x[:, :5])
+        store.append(x[:, 5:])  # tokens arrive in pieces; a paged store quantises each page once it is full
+        extra = 0 if fmt.page is None else 2 * fmt.page * dim * 4
+        assert store.nbytes() == 2 * 16 * fmt.bytes_per_token(dim, 64) + extra
         torch.testing.assert_close(store.dequantize(torch.float32), fmt.fake_quantize(x, 64), rtol=0, atol=0)
 
 
@@ -117,8 +124,9 @@ def test_names_round_trip_and_errors():
     for name in ["c4r4", "c2g128q94r4p128", "c4rm4x32-2x32", "c2g128r4g32", "c8q99.5r4"]:
         assert parse_scheme(name).name == name
         assert parse_scheme(parse_scheme(name).name) == parse_scheme(name)
-    for bad, msg in [("c5r4", "bits=5"), ("c2q0r4", r"quantile 0\.0"), ("c2g64p64r4", "page=64"),
-                     ("c4rm9x64", r"widths \[9\]"), ("c4r4x", "unknown cache scheme")]:  # fmt: skip
+    bads = [("c5r4", "bits=5"), ("c2q0r4", r"quantile 0\.0"), ("c2g64p64r4", "page=64"), ("c4rm4x64q90", "clip"),
+            ("c4rm9x64", r"widths \[9\]"), ("c4r4x", "unknown cache scheme")]  # fmt: skip
+    for bad, msg in bads:
         with pytest.raises(ValueError, match=msg):
             parse_scheme(bad)
     with pytest.raises(ValueError, match="held by PagedPathStore"):

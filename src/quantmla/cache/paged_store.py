@@ -13,6 +13,13 @@ import torch
 
 from quantmla.quant.affine import GroupQuantized, check_quantizable
 from quantmla.quant.channel import dequantize_per_channel, quantize_per_channel
+from quantmla.quant.mixed import (
+    dequantize_channels_mixed,
+    pack_mixed,
+    packed_bytes,
+    quantize_channels_mixed,
+    unpack_mixed,
+)
 from quantmla.quant.packing import pack_codes, unpack_codes
 from quantmla.quant.scheme import PathFormat
 
@@ -39,11 +46,15 @@ class PagedPathStore:
         self.fill = 0  # tokens in the page still filling
         b, p = batch, fmt.page
         self.tensors: dict[str, torch.Tensor] = {
-            "codes": torch.empty(b, 0, dim * fmt.bits // 8, dtype=torch.uint8, device=device),
+            "codes": torch.empty(b, 0, self._code_bytes(), dtype=torch.uint8, device=device),
             "scale": torch.empty(b, 0, dim, dtype=torch.float16, device=device),
             "minimum": torch.empty(b, 0, dim, dtype=torch.float16, device=device),
             "filling": torch.empty(b, p, dim, dtype=hp_dtype, device=device),
         }
+
+    def _code_bytes(self) -> int:
+        bits = self.fmt.channel_bits
+        return packed_bytes(bits) if bits is not None else self.dim * self.fmt.bits // 8
 
     @property
     def length(self) -> int:
@@ -71,11 +82,18 @@ class PagedPathStore:
         pending = torch.cat([self.tensors["filling"][:, : self.fill].to(x.dtype), x], dim=1)
         pages = pending.shape[1] // p
         if pages:
-            q = quantize_per_channel(pending[:, : pages * p], self.fmt.bits, p, check=False)
+            bits = self.fmt.channel_bits
             self._grow(self.full + pages)
             t0, t1 = self.full * p, (self.full + pages) * p
-            self.tensors["codes"][:, t0:t1] = pack_codes(q.codes, self.fmt.bits)
-            self.tensors["scale"][:, self.full : self.full + pages] = q.scale
+            if bits is not None:  # "scale" holds the span: each channel's step is span / (2**bits - 1)
+                q = quantize_channels_mixed(pending[:, : pages * p], bits, p, check=False)
+                self.tensors["codes"][:, t0:t1] = pack_mixed(q.codes, bits)
+                q_scale = q.span
+            else:
+                q = quantize_per_channel(pending[:, : pages * p], self.fmt.bits, p, check=False)
+                self.tensors["codes"][:, t0:t1] = pack_codes(q.codes, self.fmt.bits)
+                q_scale = q.scale
+            self.tensors["scale"][:, self.full : self.full + pages] = q_scale
             self.tensors["minimum"][:, self.full : self.full + pages] = q.minimum
             self.full += pages
         rest = pending[:, pages * p :]
@@ -83,11 +101,14 @@ class PagedPathStore:
         self.fill = rest.shape[1]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        p, t = self.page, self.full * self.page
-        codes = unpack_codes(self.tensors["codes"][:, :t], self.fmt.bits, self.dim)
+        p, t, bits = self.page, self.full * self.page, self.fmt.channel_bits
         scale, minimum = self.tensors["scale"][:, : self.full], self.tensors["minimum"][:, : self.full]
-        q = GroupQuantized(codes, scale, minimum, self.fmt.bits, p)
-        stored = dequantize_per_channel(q, dtype)
+        if bits is not None:
+            codes = unpack_mixed(self.tensors["codes"][:, :t], bits)
+            stored = dequantize_channels_mixed(codes, minimum, scale, bits, p, dtype)
+        else:
+            codes = unpack_codes(self.tensors["codes"][:, :t], self.fmt.bits, self.dim)
+            stored = dequantize_per_channel(GroupQuantized(codes, scale, minimum, self.fmt.bits, p), dtype)
         return torch.cat([stored, self.tensors["filling"][:, : self.fill].to(dtype)], dim=1)
 
     def nbytes(self) -> int:

@@ -117,3 +117,32 @@ def unpack_mixed(packed: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
     out = torch.zeros(*packed.shape[:-1], len(bits), dtype=torch.long, device=packed.device)
     out.index_add_(-1, ch, bit << sh)
     return out.to(torch.uint8)
+
+
+def quantize_channels_mixed(x: torch.Tensor, bits: tuple[int, ...], page: int, check: bool = True) -> MixedQuantized:
+    """Per channel within pages (the layout of :mod:`~quantmla.quant.channel`) with a width per channel:
+    ``x [..., tokens, d]``, each channel of each page of ``page`` tokens its own fp16 minimum and span
+    (``[..., tokens / page, d]``). Here a channel's error scales with its own range, which is what an energy
+    allocation (:mod:`~quantmla.quant.allocate`) assumes."""
+    t, d = x.shape[-2], x.shape[-1]
+    check_channel_bits(bits, d)
+    if page <= 0 or t % page:
+        raise ValueError(f"page={page} must divide the number of tokens {t}")
+    if check:
+        check_quantizable(x, "x")
+    xf = x.float().reshape(*x.shape[:-2], t // page, page, d)
+    minimum = _fp16_round(xf.amin(-2).double(), float("-inf")).clamp_min(-FP16_MAX)
+    span = _fp16_round(xf.amax(-2).double() - minimum.double(), float("inf"))
+    levels = _levels(bits, x.device)
+    scale = (span.float() / levels.clamp_min(1)).unsqueeze(-2)  # [..., pages, 1, d]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((xf - minimum.float().unsqueeze(-2)) / safe)
+    codes = torch.minimum(codes.clamp_min_(0), levels).masked_fill_(scale <= 0, 0)
+    return MixedQuantized(codes.to(torch.uint8).reshape(x.shape), minimum, span, tuple(bits), page)
+
+
+def dequantize_channels_mixed(codes, minimum, span, bits, page, dtype=torch.float32) -> torch.Tensor:
+    t, d = codes.shape[-2], codes.shape[-1]
+    c = codes.float().reshape(*codes.shape[:-2], t // page, page, d)
+    scale = (span.float() / _levels(bits, codes.device).clamp_min(1)).unsqueeze(-2)
+    return (c * scale + minimum.float().unsqueeze(-2)).reshape(codes.shape).to(dtype)

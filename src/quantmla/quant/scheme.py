@@ -30,7 +30,13 @@ from quantmla.quant.affine import QUANT_BITS, quantize_groups
 from quantmla.quant.channel import dequantize_per_channel, quantize_per_channel
 from quantmla.quant.clip import check_quantile, quantize_clipped
 from quantmla.quant.fp8 import FP8_TILE, quantize_fp8
-from quantmla.quant.mixed import check_channel_bits, packed_bytes, quantize_mixed
+from quantmla.quant.mixed import (
+    check_channel_bits,
+    dequantize_channels_mixed,
+    packed_bytes,
+    quantize_channels_mixed,
+    quantize_mixed,
+)
 
 PathKind = Literal["bf16", "int", "fp8"]
 _SPEC = r"(?:(\d+)|m(\d+x\d+(?:-\d+x\d+)*))(?:g(\d+))?(?:q(\d+(?:\.\d+)?))?(?:p(\d+))?"
@@ -68,8 +74,8 @@ class PathFormat:
             raise ValueError(f"page={self.page}: a positive page size, without a channel group or clipping")
         if self.channel_bits is not None:
             check_channel_bits(self.channel_bits, len(self.channel_bits))
-            if self.page is not None or self.clip is not None:
-                raise ValueError("mixed channel widths take neither pages nor clipping")
+            if self.clip is not None:
+                raise ValueError("mixed channel widths take no clipping")
 
     @property
     def quantized(self) -> bool:
@@ -112,16 +118,20 @@ class PathFormat:
         if self.kind == "fp8":
             return quantize_fp8(x).dequantize(x.dtype)
         g = self.group_size(group_size)
-        if self.channel_bits is not None:
-            if len(self.channel_bits) != x.shape[-1]:
-                raise ValueError(f"{len(self.channel_bits)} channel widths for a path of {x.shape[-1]} channels")
-            return quantize_mixed(x, self.channel_bits, g).dequantize(x.dtype)
+        if self.channel_bits is not None and len(self.channel_bits) != x.shape[-1]:
+            raise ValueError(f"{len(self.channel_bits)} channel widths for a path of {x.shape[-1]} channels")
         if self.page is not None:
             full = x.shape[-2] // self.page * self.page
             if full == 0:
                 return x
-            q = dequantize_per_channel(quantize_per_channel(x[..., :full, :], self.bits, self.page), x.dtype)
+            if self.channel_bits is not None:
+                m = quantize_channels_mixed(x[..., :full, :], self.channel_bits, self.page)
+                q = dequantize_channels_mixed(m.codes, m.minimum, m.span, m.bits, self.page, x.dtype)
+            else:
+                q = dequantize_per_channel(quantize_per_channel(x[..., :full, :], self.bits, self.page), x.dtype)
             return torch.cat([q, x[..., full:, :]], dim=-2)
+        if self.channel_bits is not None:
+            return quantize_mixed(x, self.channel_bits, g).dequantize(x.dtype)
         if self.clip is not None:
             return quantize_clipped(x, self.bits, g, self.clip).dequantize(x.dtype)
         return quantize_groups(x, self.bits, g).dequantize(x.dtype)
@@ -134,7 +144,8 @@ class PathFormat:
         if self.kind == "fp8":
             return dim + (dim // FP8_TILE) * 4
         if self.page is not None:
-            return dim * self.bits / 8 + dim * 4 / self.page
+            codes = packed_bytes(self.channel_bits) if self.channel_bits is not None else dim * self.bits / 8
+            return codes + dim * 4 / self.page
         groups = dim // self.group_size(group_size)
         if self.channel_bits is not None:
             return packed_bytes(self.channel_bits) + groups * 4
