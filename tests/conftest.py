@@ -8,7 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one torch thread a pytest-xdist worker (the workers share the cores), else up to two
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(autouse=True)
