@@ -130,9 +130,9 @@ def bootstrap_ppl(window_nll: list[float], tokens_per_window: int, resamples: in
     return lo, hi
 
 
-def _dims(model_config) -> tuple[int, int]:
-    dims = get_adapter(model_config).dims(model_config)
-    return dims.kv_lora_rank, dims.rope_dim
+def stored_bits_per_element(cache: LatentCacheConfig) -> float:
+    """Bits per cached element of ``cache``'s stored format, metadata included (the windows not counted)."""
+    return cache.scheme.bits_per_element(cache.kv_lora_rank, cache.rope_dim, cache.group_size)
 
 
 def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
@@ -206,7 +206,7 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         group_size=cfg.group_size,
         bytes_per_token=bpt,
         unquantised_bytes_per_token=ref_bpt,
-        bits_per_element=cache_config(model.config, cfg).scheme.bits_per_element(*_dims(model.config), cfg.group_size),
+        bits_per_element=stored_bits_per_element(cache_config(model.config, cfg)),
         dtype=dtype_name(param.dtype),
         device=str(device),
         cache_backend=backend,

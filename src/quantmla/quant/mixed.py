@@ -72,13 +72,8 @@ def quantize_mixed(x: torch.Tensor, bits: tuple[int, ...], group_size: int, chec
     if check:
         check_quantizable(x, "x")
     xf = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
-    minimum = _fp16_round(xf.amin(-1).double(), float("-inf")).clamp_min(-FP16_MAX)
-    span = _fp16_round(xf.amax(-1).double() - minimum.double(), float("inf"))
     levels = _levels(bits, x.device).reshape(d // group_size, group_size)
-    scale = span.float().unsqueeze(-1) / levels.clamp_min(1)  # [..., groups, group_size]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((xf - minimum.float().unsqueeze(-1)) / safe)
-    codes = torch.minimum(codes.clamp_min_(0), levels).masked_fill_(scale <= 0, 0)
+    codes, minimum, span = _encode(xf, levels, -1)
     return MixedQuantized(codes.to(torch.uint8).reshape(x.shape), minimum, span, tuple(bits), group_size)
 
 
@@ -86,8 +81,23 @@ def dequantize_mixed(codes, minimum, span, bits, group_size, dtype=torch.float32
     d = codes.shape[-1]
     levels = _levels(bits, codes.device).reshape(d // group_size, group_size)
     c = codes.float().reshape(*codes.shape[:-1], d // group_size, group_size)
-    x = c * (span.float().unsqueeze(-1) / levels.clamp_min(1)) + minimum.float().unsqueeze(-1)
-    return x.reshape(codes.shape).to(dtype)
+    return _decode(c, minimum, span, levels, -1).reshape(codes.shape).to(dtype)
+
+
+def _encode(xf: torch.Tensor, levels: torch.Tensor, axis: int):
+    """Codes, fp16 minimum and span of ``xf`` with the range taken along ``axis`` and a channel's step
+    ``span / levels`` (``levels`` broadcasts against ``xf``)."""
+    minimum = _fp16_round(xf.amin(axis).double(), float("-inf")).clamp_min(-FP16_MAX)
+    span = _fp16_round(xf.amax(axis).double() - minimum.double(), float("inf"))
+    scale = span.float().unsqueeze(axis) / levels.clamp_min(1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((xf - minimum.float().unsqueeze(axis)) / safe)
+    codes = torch.minimum(codes.clamp_min_(0), levels).masked_fill_(scale <= 0, 0)
+    return codes, minimum, span
+
+
+def _decode(c: torch.Tensor, minimum, span, levels: torch.Tensor, axis: int) -> torch.Tensor:
+    return c * (span.float().unsqueeze(axis) / levels.clamp_min(1)) + minimum.float().unsqueeze(axis)
 
 
 def _stream(bits: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,18 +141,11 @@ def quantize_channels_mixed(x: torch.Tensor, bits: tuple[int, ...], page: int, c
     if check:
         check_quantizable(x, "x")
     xf = x.float().reshape(*x.shape[:-2], t // page, page, d)
-    minimum = _fp16_round(xf.amin(-2).double(), float("-inf")).clamp_min(-FP16_MAX)
-    span = _fp16_round(xf.amax(-2).double() - minimum.double(), float("inf"))
-    levels = _levels(bits, x.device)
-    scale = (span.float() / levels.clamp_min(1)).unsqueeze(-2)  # [..., pages, 1, d]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((xf - minimum.float().unsqueeze(-2)) / safe)
-    codes = torch.minimum(codes.clamp_min_(0), levels).masked_fill_(scale <= 0, 0)
+    codes, minimum, span = _encode(xf, _levels(bits, x.device), -2)
     return MixedQuantized(codes.to(torch.uint8).reshape(x.shape), minimum, span, tuple(bits), page)
 
 
 def dequantize_channels_mixed(codes, minimum, span, bits, page, dtype=torch.float32) -> torch.Tensor:
     t, d = codes.shape[-2], codes.shape[-1]
     c = codes.float().reshape(*codes.shape[:-2], t // page, page, d)
-    scale = (span.float() / _levels(bits, codes.device).clamp_min(1)).unsqueeze(-2)
-    return (c * scale + minimum.float().unsqueeze(-2)).reshape(codes.shape).to(dtype)
+    return _decode(c, minimum, span, _levels(bits, codes.device), -2).reshape(codes.shape).to(dtype)
