@@ -17,7 +17,7 @@ Each file is one document. Documents are split train / validation / test (90 / 5
 their path, so the split is deterministic and no document straddles two splits.
 
     python scripts/build_corpus.py --out .data/corpus                      # v1: the documentation
-    python scripts/build_corpus.py --out .data/corpus-v2 --kernel          # v2: plus the kernel
+    python scripts/build_corpus.py --out .data/corpus-v2 --kernel --kernel-share 0.4 --package-bytes 700000  # v2
 """
 
 from __future__ import annotations
@@ -151,6 +151,24 @@ def split_of(rel: str) -> str:
     return next(name for name, upper in SPLITS if bucket < upper)
 
 
+def write_subset(path: Path, texts: list[str], rels: list[str], target: int) -> dict:
+    """Documents of one split, taken in the order of a hash of their path until ``target`` bytes, written in
+    corpus order: a deterministic sample of every package in the split, small enough to ship."""
+    order = sorted(range(len(texts)), key=lambda i: _bucket(rels[i], "package") * 10**6 + i)
+    keep, size = set(), 0
+    for i in order:
+        n = len(texts[i].encode("utf-8")) + 2
+        if size + n > target:
+            continue
+        keep.add(i)
+        size += n
+    body = "\n\n".join(texts[i] for i in sorted(keep)) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body, "utf-8")
+    return {"documents": len(keep), "bytes": len(body.encode("utf-8")),
+            "sha256": hashlib.sha256(body.encode("utf-8")).hexdigest()}  # fmt: skip
+
+
 def fetch(workdir: Path, packages) -> dict[str, str]:
     versions = {}
     for pkg in packages:
@@ -168,6 +186,13 @@ def main() -> None:
     ap.add_argument("--unpacked", type=Path, default=None, help="an already unpacked root (skips apt-get)")
     ap.add_argument("--kernel", action="store_true", help=f"corpus v2: add the Linux kernel ({KERNEL})")
     ap.add_argument("--kernel-share", type=float, default=1.0, help="fraction of the eligible kernel files kept")
+    ap.add_argument(
+        "--package-bytes",
+        type=int,
+        default=0,
+        help="also write package/{validation,test}.txt: a subset of about this many bytes per split "
+        "(the text that ships in the wheel)",
+    )
     args = ap.parse_args()
     if not 0 < args.kernel_share <= 1:
         raise SystemExit(f"--kernel-share {args.kernel_share}: must be in (0, 1]")
@@ -185,6 +210,7 @@ def main() -> None:
             kernel_docs, dropped = collect_kernel(root, args.kernel_share)
             docs += kernel_docs
     splits: dict[str, list[str]] = {name: [] for name, _ in SPLITS}
+    rels: dict[str, list[str]] = {name: [] for name, _ in SPLITS}
     card: dict = {"packages": {p: {"licence": lic, "version": versions.get(p)} for p, lic in packages.items()}}
     if dropped is not None:
         card["kernel_filter"] = {"max_bytes": KERNEL_MAX_BYTES, "share": args.kernel_share, "dropped": dropped}
@@ -194,6 +220,7 @@ def main() -> None:
     for pkg, rel, text in docs:
         s = split_of(rel)
         splits[s].append(text)
+        rels[s].append(rel)
         st = per_split[s]
         st["documents"] += 1
         st["by_package"][pkg] = st["by_package"].get(pkg, 0) + 1
@@ -204,6 +231,11 @@ def main() -> None:
         per_split[name]["bytes"] = len(body.encode("utf-8"))
         per_split[name]["sha256"] = hashlib.sha256(body.encode("utf-8")).hexdigest()
     card["splits"] = per_split
+    if args.package_bytes > 0:
+        card["package_subset"] = {
+            name: write_subset(args.out / "package" / f"{name}.txt", splits[name], rels[name], args.package_bytes)
+            for name in ("validation", "test")
+        }
     (args.out / "corpus.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card, indent=2))
 

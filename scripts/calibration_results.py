@@ -23,6 +23,7 @@ import torch
 import quantmla
 from quantmla.calibrate import CalibrationConfig, LayerStage, calibrate_model, layer_stage, merge_layer_stages
 from quantmla.eval import PerplexityConfig, perplexity
+from quantmla.eval.niah import NiahConfig, accuracy, run_niah
 from quantmla.models.loading import builtin_text
 from quantmla.transforms.fuse import RopeTransform
 
@@ -42,6 +43,9 @@ def main() -> None:
     ap.add_argument("--val-seqs", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eval-seqs", type=int, default=None)
+    ap.add_argument("--eval-seq-len", type=int, default=4096, help="tokens per evaluated test window")
+    ap.add_argument("--niah", type=int, default=0,
+                    help="also NIAH (niah-1/2/3, 1K/2K/4K, depths 0-100%% by 25) with N examples per cell")  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                     help="the model's dtype for calibration and evaluation (recorded in every row)")  # fmt: skip
@@ -72,11 +76,16 @@ def main() -> None:
 
     def evaluate(model, scheme, sink, recent) -> dict:
         cfg = PerplexityConfig(
-            scheme=scheme, seq_len=512, num_seqs=args.eval_seqs, sink=sink, recent=recent, batch_size=16, kl=True,
-            per_window=True,
+            scheme=scheme, seq_len=args.eval_seq_len, num_seqs=args.eval_seqs, sink=sink, recent=recent,
+            batch_size=max(1, 8192 // args.eval_seq_len), kl=True, per_window=True,
         )  # fmt: skip
         r = perplexity(model, tok, test_text, cfg, progress=False)
         out = {"ppl": r.ppl, "kl": r.kl, "window_nll": r.window_nll, "tokens_per_window": r.tokens // r.sequences}
+        if args.niah > 0:
+            ncfg = NiahConfig(num_examples=args.niah, sink=sink, recent=recent)
+            rows = run_niah(model, tok, test_text, [scheme], ncfg, progress=False)
+            out["niah"] = {"all": accuracy(rows), **{t: accuracy(rows, task=t) for t in ncfg.tasks},
+                           "examples": len(rows)}  # fmt: skip
         return {"dtype": args.dtype, **out}
 
     def dump() -> None:
@@ -201,14 +210,16 @@ def merge(parts: list[Path], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(merged, indent=1))
     plot(merged["layers"], out / "layer_errors.png")
     head = ("method", "scheme", "dtype", "ppl, sink 4 + recent 128", "ppl, no windows", "KL, sink 4 + recent 128",
-            "KL, no windows")  # fmt: skip
+            "KL, no windows", "NIAH, sink 4 + recent 128", "NIAH, no windows")  # fmt: skip
     print("| " + " | ".join(head) + " |")
-    print("|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(head))
     for tag in ALL_RUNS:
         rows = {r["windows"]: r for r in merged["results"] if r["method"] == tag}
         if rows:
             ppl = [f"{rows[w]['ppl']:.3f}" if w in rows else "" for w in ("4+128", "0+0")]
             kl = [f"{rows[w]['kl']:.2e}" if w in rows and rows[w].get("kl") else "" for w in ("4+128", "0+0")]
+            kl += [f"{100 * rows[w]['niah']['all']:.1f}%" if w in rows and rows[w].get("niah") else ""
+                   for w in ("4+128", "0+0")]  # fmt: skip
             scheme = "bf16" if tag == "bf16" else tag.split("/")[1]
             dtype = next(iter(rows.values())).get("dtype", merged["args"].get("dtype", "float32"))
             print(f"| {tag} | {scheme} | {dtype} | " + " | ".join(ppl + kl) + " |")

@@ -6,7 +6,7 @@
 #   python scripts/calibration_results.py --out out/p1 \
 #       --runs bf16,rtn/c4r4,smoothquant/c4r4,quarot/c4r4,rtn/c2r4,smoothquant/c2r4,quarot/c2r4
 # and the table from: python scripts/calibration_results.py --out out/calib --merge out/p1 $WORK/q/*
-# usage: scripts/calibration_results_gpu.sh WORK_DIR [LAYER_STAGE_SECONDS]
+# usage: [EVAL_ARGS="--niah 1"] scripts/calibration_results_gpu.sh WORK_DIR [LAYER_STAGE_SECONDS]
 set -u
 WORK=${1:?usage: $0 WORK_DIR [LAYER_STAGE_SECONDS]}
 LIMIT=${2:-400}
@@ -37,11 +37,11 @@ t1=$(date +%s)
 for s in c4r4 c2r4; do
   for w in with without; do
     python scripts/calibration_results.py --out "$WORK/q/$s-$w" --runs "quantmla/$s" --layer-stages "$STAGES" \
-      --windows "$w" > "$WORK/logs/q-$s-$w.log" 2>&1 &
+      --windows "$w" ${EVAL_ARGS:-} > "$WORK/logs/q-$s-$w.log" 2>&1 &
   done
 done
 python scripts/calibration_results.py --out "$WORK/q/ablation" --runs quantmla/c4r4/content \
-  --layer-stages "$STAGES" --windows with > "$WORK/logs/q-ablation.log" 2>&1 &
+  --layer-stages "$STAGES" --windows with ${EVAL_ARGS:-} > "$WORK/logs/q-ablation.log" 2>&1 &
 wait
 echo "model stages and evaluation: $(($(date +%s) - t1)) s"
 grep -h '^{' "$WORK"/logs/q-*.log

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import quantmla
 from quantmla import QuantizedLatentCache
 from quantmla.cache import kernel_layer
 from quantmla.cache.kernel_layer import KernelLatentLayer, supports_kernel
@@ -35,6 +36,12 @@ def attend_args(B):
     return q_nope.to(DEV, torch.bfloat16), q_pe.to(DEV, torch.bfloat16), w_uk.to(DEV), w_uv.to(DEV), 0.1
 
 
+def latent_read(cache: QuantizedLatentCache) -> QuantizedLatentCache:
+    """The cache, read as quantmla's latent attention reads it (which the kernel backend needs)."""
+    cache.declare_latent_reader()
+    return cache
+
+
 def test_auto_logs_its_choice_once_per_cache(caplog):
     c, r = tokens(2, 5, torch.float32)
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -48,7 +55,7 @@ def test_auto_logs_its_choice_once_per_cache(caplog):
     assert cache.backend_reasons() == ["torch path: activations on cpu (the kernel runs on CUDA)"] * 2
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        kc = QuantizedLatentCache(CFG, scheme="c2r4", backend="triton")
+        kc = latent_read(QuantizedLatentCache(CFG, scheme="c2r4", backend="triton"))
         kc.update(c.bfloat16(), r.bfloat16(), 0)
     assert [rec.getMessage() for rec in caplog.records] == [
         "quantmla cache c2r4: triton kernel: backend='triton' requested (cpu, bfloat16)"
@@ -67,10 +74,37 @@ def test_auto_logs_its_choice_once_per_cache(caplog):
     ],
 )
 def test_auto_on_cuda_picks_by_layout(scheme, dtype, page, backend, reason):
-    cache = QuantizedLatentCache(CFG, scheme=scheme, page_size=page)
+    cache = latent_read(QuantizedLatentCache(CFG, scheme=scheme, page_size=page))
     fake = SimpleNamespace(device=torch.device("cuda"), dtype=dtype)  # the decision reads device and dtype only
     got, why = cache._choose_backend(fake)
     assert got == backend and why.startswith(reason), why
+
+
+def test_auto_never_picks_the_kernel_for_transformers_own_attention():
+    """A kernel decode step returns only the new token: under transformers' attention (no latent reader)
+    every answer would come from the newest token alone (seen on the H200 as constant NIAH outputs)."""
+    fake = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    got, why = QuantizedLatentCache(CFG, scheme="c4r4")._choose_backend(fake)
+    assert got == "torch" and "does not read the cache through quantmla's latent attention" in why
+    c, r = tokens(1, 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="enable_latent_attention"):
+        QuantizedLatentCache(CFG, scheme="c4r4", backend="triton").update(c, r, 0)
+
+
+def test_latent_attention_declares_itself_the_reader():
+    from quantmla.models.compat import cache_kwargs
+    from tiny_models import tiny_model
+
+    model = tiny_model("deepseek_v3")
+    cfg = model.config
+    fake = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    plain = QuantizedLatentCache(cfg, scheme="c4r4")
+    model(torch.tensor([[1, 2, 3]]), use_cache=True, **cache_kwargs(plain))
+    assert plain._choose_backend(fake)[0] == "torch"  # transformers' own attention read it
+    quantmla.enable_latent_attention(model)
+    latent = QuantizedLatentCache(cfg, scheme="c4r4")
+    model(torch.tensor([[1, 2, 3]]), use_cache=True, **cache_kwargs(latent))
+    assert latent._choose_backend(fake)[0] == "triton"
 
 
 def test_only_no_kernel_layout_falls_back(monkeypatch):
@@ -91,7 +125,9 @@ def test_only_no_kernel_layout_falls_back(monkeypatch):
 def test_triton_backend_honours_page_size(page):
     B, T, sink, recent = 2, 90, 2, 5
     c, r = tokens(B, T)
-    cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=sink, recent=recent, page_size=page, backend="triton")
+    cache = latent_read(
+        QuantizedLatentCache(CFG, scheme="c4r4", sink=sink, recent=recent, page_size=page, backend="triton")
+    )
     cache.update(c[:, :, :-1], r[:, :, :-1], 0)
     cache.update(c[:, :, -1:], r[:, :, -1:], 0)
     layer = cache.layers[0]
@@ -117,7 +153,10 @@ def test_bytes_are_measured_from_the_pages_in_use(scheme):
     B, T, page = 3, 150, 32
     c, r = tokens(B, T)
     kw = dict(scheme=scheme, sink=4, recent=16, page_size=page)
-    kc, tc = QuantizedLatentCache(CFG, backend="triton", **kw), QuantizedLatentCache(CFG, backend="torch", **kw)
+    kc, tc = (
+        latent_read(QuantizedLatentCache(CFG, backend="triton", **kw)),
+        QuantizedLatentCache(CFG, backend="torch", **kw),
+    )
     for cache in (kc, tc):
         for i in range(2):
             cache.update(c[:, :, :100], r[:, :, :100], i)
@@ -139,7 +178,7 @@ def test_bytes_are_measured_from_the_pages_in_use(scheme):
 def test_keys_and_values_are_the_cached_tokens(backend, scheme):
     B, T = 2, 60
     c, r = tokens(B, T)
-    cache = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=8, page_size=16, backend=backend)
+    cache = latent_read(QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=8, page_size=16, backend=backend))
     assert cache.layers[0].keys is None
     cache.update(c, r, 0)
     layer = cache.layers[0]
@@ -156,7 +195,7 @@ def test_keys_and_values_are_the_cached_tokens(backend, scheme):
 
 def test_decode_backend_only_after_a_kernel_decode_step():
     c, r = tokens(2, 30)
-    kc = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton")
+    kc = latent_read(QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton"))
     tc = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="torch")
     for cache in (kc, tc):
         assert cache.decode_backend(0) is None
@@ -198,7 +237,7 @@ def test_decode_step_makes_no_sync(no_syncs, backend, scheme):
         pytest.skip("no kernel layout")
     B, T = 2, 40
     c, r = tokens(B, T, device=DEV)
-    cache = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=4, page_size=16, backend=backend)
+    cache = latent_read(QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=4, page_size=16, backend=backend))
     for i in range(2):
         cache.update(c[:, :, :-3], r[:, :, :-3], i)  # prefill: checked (syncs allowed)
     mask = torch.ones(B, 1, 1, T - 2, dtype=torch.bool, device=DEV)
@@ -239,8 +278,8 @@ def test_a_mask_that_is_not_left_padding_gives_nan_or_raises():
     mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool, device=DEV)
     mask[0, ..., 10] = False  # a hole: not a left padding
     for validate in (False, True):
-        cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16, backend="triton",
-                                     validate=validate)  # fmt: skip
+        cache = latent_read(QuantizedLatentCache(CFG, scheme="c4r4", sink=2, recent=4, page_size=16,
+                                                 backend="triton", validate=validate))  # fmt: skip
         cache.update(c, r, 0)
         cache.update(c[:, :, :1], r[:, :, :1], 0)
         if validate:

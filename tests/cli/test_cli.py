@@ -36,11 +36,15 @@ def test_demo_small():
             "2",
             "--calibrate-model-steps",
             "1",
+            "--needle-len",
+            "256",
         ],
         env={"COLUMNS": "250"},  # rich's line width: no wrapped titles
     )
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())  # rich wraps titles to the table's width
+    needle = text[text.index("One needle per scheme") :]
+    assert "bf16" in needle and "c4r4" in needle and " yes " in needle  # model v2 retrieves at 256 tokens
     assert "builtin:tiny-mla in float32 on cpu" in text  # the header says what ran (auto on CPU)
     assert "Perplexity on the bundled test split (1 x 160 tokens), float32 on cpu" in text
     assert "unquantised (float32)" in text and "c4r4+quantmla" in text
@@ -100,7 +104,7 @@ def test_eval_ppl_bytes_come_from_the_storage_of_this_model():
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     (r,) = _json(res)["results"]
-    d_c, d_r = 128, 64  # the bundled model's latent and RoPE key
+    d_c, d_r = 256, 64  # the bundled model's latent and RoPE key
     assert r["unquantised_bytes_per_token"] == 8 * (d_c + d_r)
     model, tok = quantmla.load(dtype=torch.float64)
     enable_latent_attention(model)
@@ -132,7 +136,7 @@ def test_eval_ppl_on_cuda_defaults_to_bfloat16_and_reads_the_kernel_storage():
     out = _json(res)
     assert (out["dtype"], out["device"]) == ("bfloat16", "cuda")
     r = {x["scheme"]: x for x in out["results"]}
-    assert r["bf16"]["bytes_per_token"] == r["c4r4"]["unquantised_bytes_per_token"] == 2 * (128 + 64)
+    assert r["bf16"]["bytes_per_token"] == r["c4r4"]["unquantised_bytes_per_token"] == 2 * (256 + 64)
     model, tok = quantmla.load(device="cuda")
     assert model.dtype == torch.bfloat16
     enable_latent_attention(model)

@@ -98,7 +98,7 @@ GOOD_META = {"format": 1, "scheme": "c4r4", "method": "quantmla", "group_size": 
         (GOOD_META | {"scheme": "c5r4"}, ["'scheme'", "c5r4", "valid: bf16"]),
         (GOOD_META | {"sink": -1}, ["'sink'", "-1", ">= 0"]),
         (GOOD_META | {"group_size": 0}, ["'group_size'", ">= 1"]),
-        (GOOD_META | {"group_size": 48}, ["'group_size'", "48", "divisors of 128"]),
+        (GOOD_META | {"group_size": 48}, ["'group_size'", "48", "divisors of 256"]),
         (GOOD_META | {"group_size": "64"}, ["'group_size'", "expected a JSON int"]),
         (GOOD_META | {"recent": True}, ["'recent'", "expected a JSON int"]),
         (GOOD_META | {"method": "gptq"}, ["'method'", "gptq", "valid: rtn"]),
@@ -115,7 +115,7 @@ def test_bad_scheme_method_group_before_any_weight(no_weights):
     _usage_error(["eval", "ppl", "--scheme", "c9r4"], "unknown cache scheme 'c9r4'", "valid: bf16, fp8")
     _usage_error(["eval", "ppl", "--scheme", "bf16,,c2r5"], "'c2r5'", "valid: bf16")
     _usage_error(["eval", "ppl", "--scheme", ","], "names no scheme", "valid: bf16")
-    _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "48"], "group_size=48", "divisors of 128")
+    _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "48"], "group_size=48", "divisors of 256")
     _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "128"], "RoPE key", "divisors of 64")
     _usage_error(["demo", "--schemes", "bf16,int3"], "unknown cache scheme 'int3'", "valid: bf16")
     _usage_error(["calibrate", "--out", "x", "--method", "gptq"], "method='gptq'", "valid: rtn")

@@ -51,7 +51,7 @@ def test_bytes_dtype_and_device_are_what_ran(monkeypatch):
             mp.setattr(torch, "randn", no_random)
             r = perplexity(model, tok, text, cfg, progress=False)
         assert (r.dtype, r.device, r.cache_backend) == (str(dtype).removeprefix("torch."), "cpu", "torch")
-        assert r.unquantised_bytes_per_token == width * (128 + 64)
+        assert r.unquantised_bytes_per_token == width * (256 + 64)
         cache = QuantizedLatentCache(model.config, scheme="c2r4", sink=2, recent=6)
         with torch.no_grad():
             model(token_windows(tok, text, 48, 1), use_cache=True, **cache_kwargs(cache))
@@ -80,7 +80,7 @@ def test_group_size_that_does_not_fit_fails_before_any_forward(monkeypatch):
     monkeypatch.setattr(model, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("forward ran")))
     import pytest
 
-    with pytest.raises(ValueError, match="group_size=48 does not divide the channel dimension 128"):
+    with pytest.raises(ValueError, match="group_size=48 does not divide the channel dimension 256"):
         perplexity(model, tok, builtin_text("test"), PerplexityConfig(scheme="c4r4", group_size=48), progress=False)
 
 

@@ -15,11 +15,11 @@ def test_builtin_loads_offline():
     model, tok = quantmla.load("builtin:tiny-mla")
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     cfg = model.config
-    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (128, 64) and cfg.q_lora_rank is not None
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (256, 64) and cfg.q_lora_rank is not None
     n = sum(p.numel() for p in model.parameters())
     assert 8e6 <= n <= 15e6
-    size = sum(f.stat().st_size for f in builtin_path("tiny-mla").glob("*.safetensors"))
-    assert size <= 25e6
+    shards = [f.stat().st_size for f in builtin_path("tiny-mla").glob("*.safetensors")]
+    assert sum(shards) <= 20e6 and max(shards) <= 16 * 2**20  # the bundle limits: 20 MB, shards of <= 16 MiB
     ids = tok("The Python interpreter", return_tensors="pt").input_ids
     with torch.no_grad():
         loss = model(ids, labels=ids).loss
@@ -153,7 +153,7 @@ def test_inspect_model_reads_no_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_weights)
     shutil.copy(builtin_path("tiny-mla") / "config.json", tmp_path / "config.json")  # config only, no weights
     src = inspect_model(str(tmp_path))
-    assert src.meta is None and (src.dims.kv_lora_rank, src.dims.rope_dim) == (128, 64) and src.num_cache_layers == 8
+    assert src.meta is None and (src.dims.kv_lora_rank, src.dims.rope_dim) == (256, 64) and src.num_cache_layers == 8
     meta = {"format": 1, "scheme": "c4r4", "method": "rtn", "group_size": 48, "sink": 4, "recent": 128}
     (tmp_path / "quantmla.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=f"{tmp_path / 'quantmla.json'}: key 'group_size': group_size=48"):

@@ -279,7 +279,11 @@ class QuantizedLatentCache(Cache):
         hp_dtype: dtype of the unquantised windows (default: the model's activation dtype).
         backend: ``torch`` (dequantise, then attend), ``triton`` (the fused decode kernel; BF16
             models, schemes bf16 / c4r4 / c2r4), or ``auto``: triton for BF16 activations on CUDA
-            when the kernel layout can hold the cache, torch otherwise. Each cache logs (INFO) once which
+            when the kernel layout can hold the cache and the model reads the cache through quantmla's
+            latent attention (:func:`quantmla.enable_latent_attention`, which calls
+            :meth:`declare_latent_reader`), torch otherwise. A kernel decode step returns only the new token
+            and attends itself, so transformers' own attention cannot read it: ``triton`` without a latent
+            reader is an error. Each cache logs (INFO) once which
             backend it uses and why; ``backends_used()`` / ``backend_reasons()`` say it per layer.
         validate: check every stored token (finite, in the fp16 range of the scales). Off by default:
             only multi-token updates (prefill) are checked, so that decode steps make no GPU->CPU sync.
@@ -321,6 +325,13 @@ class QuantizedLatentCache(Cache):
         super().__init__(layers=layers)
         self._reasons: list[str | None] = [None] * len(layers)
         self._logged: set[str] = set()
+        self._latent_reader = False
+
+    def declare_latent_reader(self) -> None:
+        """Say that the model attends this cache through quantmla's latent attention, which reaches a kernel
+        decode step through :meth:`decode_backend`. Latent attention calls this before a module's update;
+        without it the cache never decodes through the kernel (``auto``) or refuses to (``triton``)."""
+        self._latent_reader = True
 
     def _choose_backend(self, key_states: torch.Tensor) -> tuple[str, str]:
         """``(backend, reason)`` for a layer whose first update is ``key_states``."""
@@ -329,6 +340,11 @@ class QuantizedLatentCache(Cache):
         if self.backend == "torch":
             return "torch", f"torch path: backend='torch' requested ({where})"
         if self.backend == "triton":
+            if not self._latent_reader:
+                raise ValueError(
+                    "backend='triton': the model must attend through quantmla.enable_latent_attention(model); "
+                    "under transformers' own attention a kernel decode step would attend only the newest token"
+                )
             return "triton", f"triton kernel: backend='triton' requested ({where})"
         if dev != "cuda":
             return "torch", f"torch path: activations on {dev} (the kernel runs on CUDA)"
@@ -339,6 +355,9 @@ class QuantizedLatentCache(Cache):
         ok, why = supports_kernel(self.cache_config)
         if not ok:
             return "torch", f"torch path: no kernel layout for this cache ({why})"
+        if not self._latent_reader:
+            return "torch", (f"torch path: the model does not read the cache through quantmla's latent attention "
+                             f"(quantmla.enable_latent_attention), which the kernel needs ({where})")  # fmt: skip
         return "triton", f"triton kernel ({where})"
 
     def backends_used(self) -> list[str]:

@@ -44,6 +44,7 @@ class DemoConfig:
     calibrate_model_steps: int = 5  # its model-level stage (the recipe: 150)
     dtype: str = "auto"  # the model's dtype; the demo runs on the CPU, where auto is float32
     group_size: int = 64
+    needle_len: int = 2048  # one NIAH example (niah-3: corpus haystack, UUID-like value) per scheme; 0: skip
 
     def __post_init__(self) -> None:
         if not self.schemes:
@@ -59,6 +60,8 @@ class DemoConfig:
         for name in ("seq_len", "num_seqs", "prompt_len", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.needle_len != 0 and self.needle_len < 128:
+            raise ValueError(f"needle_len={self.needle_len} must be 0 (skip) or >= 128")
 
 
 def check(cfg: DemoConfig) -> ModelSource:
@@ -100,6 +103,15 @@ def generate_side_by_side(model, tokenizer, cfg: DemoConfig) -> list[GenerationR
         label = scheme_label(name, dtype_name(model.dtype))
         rows.append(GenerationRow(label, same.float().mean().item(), first, tokenizer.decode(out[0])))
     return rows
+
+
+def needle_per_scheme(model, tokenizer, cfg: DemoConfig) -> list:
+    """One ``niah-3`` example (UUID-like value at 50% depth of a corpus haystack) answered under each scheme."""
+    from quantmla.eval.niah import NiahConfig, run_niah
+
+    ncfg = NiahConfig(tasks=("niah-3",), lengths=(cfg.needle_len,), depths=(50,), num_examples=1, seed=cfg.seed,
+                      group_size=cfg.group_size, sink=cfg.sink, recent=cfg.recent)  # fmt: skip
+    return run_niah(model, tokenizer, builtin_text("test"), list(cfg.schemes), ncfg, progress=False)
 
 
 def production_bytes(schemes, contexts=(4096, 131072), sink: int = 4, recent: int = 128) -> list[tuple]:
@@ -179,6 +191,17 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
             r.text.replace("\n", "⏎")[:70],
         )
     console.print(t)
+
+    if cfg.needle_len:
+        t3 = Table(
+            title=f"One needle per scheme: niah-3 (UUID-like value in {cfg.needle_len} tokens of test text, 50% "
+            "depth), the answer decoded greedily through the cache (`quantmla eval niah` for the full grid)"
+        )
+        for col in ("scheme", "needle value", "answer", "retrieved"):
+            t3.add_column(col)
+        for r in needle_per_scheme(model, tok, cfg):
+            t3.add_row(r.scheme, r.value, r.output.strip().replace("\n", "⏎")[:40], "yes" if r.correct else "no")
+        console.print(t3)
 
     t2 = Table(
         title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64, BF16 windows, sink "

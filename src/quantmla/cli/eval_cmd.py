@@ -16,8 +16,11 @@ from quantmla.models.loading import DEFAULT_MODEL
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
 
 DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
-#: windows `eval ppl` evaluates by default, spread over the text: about a minute a scheme on 2 CPU cores
-SUBSET = 32
+#: tokens `eval ppl` evaluates by default, in windows spread over the text: under a minute a scheme on 2 CPU cores
+#: with the bundled model (`--all` for every window)
+SUBSET_TOKENS = 32768
+#: default window: the model's context, at most this many tokens
+MAX_DEFAULT_SEQ_LEN = 4096
 DTYPE_HELP = "Model dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32, float64."
 
 
@@ -68,9 +71,13 @@ def ppl(
         "q<clip percentile>, p<page> or m<b>x<n>-... (e.g. c2g128q94r4p128) (default: the model's quantmla.json "
         "scheme, else bf16).",
     ),
-    seq_len: int = typer.Option(512, min=2, help="Tokens per evaluated window."),
+    seq_len: int = typer.Option(
+        None, min=2, help=f"Tokens per evaluated window (default: the model's context, at most {MAX_DEFAULT_SEQ_LEN})."
+    ),
     num_seqs: int = typer.Option(
-        None, min=1, help=f"Evaluate the first N windows (default: {SUBSET} windows spread over the text)."
+        None,
+        min=1,
+        help=f"Evaluate the first N windows (default: {SUBSET_TOKENS} tokens of windows spread over the text).",
     ),
     all_windows: bool = typer.Option(False, "--all", help="Evaluate every full window of the text."),
     sink: int = typer.Option(None, min=0, help="Leading tokens kept unquantised (default: quantmla.json, else 4)."),
@@ -106,8 +113,13 @@ def ppl(
             raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
         if all_windows and num_seqs is not None:
             raise ValueError("give either --all or --num-seqs, not both")
+        limit = getattr(src.config, "max_position_embeddings", None) or MAX_DEFAULT_SEQ_LEN
+        if seq_len is None:
+            seq_len = min(MAX_DEFAULT_SEQ_LEN, limit)
+        elif seq_len > limit:
+            raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings={limit}")
         subset = not all_windows and num_seqs is None
-        n = None if all_windows else SUBSET if subset else num_seqs
+        n = None if all_windows else max(1, SUBSET_TOKENS // seq_len) if subset else num_seqs
         cfgs = [
             PerplexityConfig(
                 scheme=s, seq_len=seq_len, num_seqs=n, spread=subset, sink=sink, recent=recent,
@@ -211,3 +223,78 @@ def niah(
     Console().print(t)
     if out is not None:
         Console().print(f"wrote {out / 'niah.json'} and {', '.join(f'niah-{s}.png' for s in names)}")
+
+
+@app.command("lm-eval")
+def lm_eval_cmd(
+    model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
+    tasks: str = typer.Option(
+        ..., "--tasks", "-t", help="lm-eval task names, comma-separated (local ones need --include-path)."
+    ),  # fmt: skip
+    scheme: str = typer.Option(
+        None,
+        "--scheme",
+        "-s",
+        help="Cache scheme(s), comma-separated (default: the model's quantmla.json scheme, else bf16).",
+    ),  # fmt: skip
+    include_path: Path = typer.Option(None, "--include-path", help="A folder of lm-eval task YAML files."),
+    limit: float = typer.Option(None, help="Documents per task (an int), or a fraction of each task (< 1)."),
+    num_fewshot: int = typer.Option(None, min=0, help="Few-shot examples (default: the task's)."),
+    batch_size: int = typer.Option(1, min=1, help="Requests per forward."),
+    sink: int = typer.Option(None, min=0, help="Leading tokens kept unquantised (default: quantmla.json, else 4)."),
+    recent: int = typer.Option(None, min=0, help="Recent tokens kept unquantised (default: quantmla.json, else 128)."),
+    group_size: int = typer.Option(None, min=1, help="Channels per group (default: quantmla.json, else 64)."),
+    seed: int = typer.Option(0, help="Seed of lm-eval's sampling and few-shot choice."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
+) -> None:
+    """lm-eval tasks (``HFLM``) with the quantised cache: log-likelihoods and generations both read it."""
+    from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval
+    from quantmla.models.loading import dtype_name, inspect_model, load, resolve_device, resolve_dtype
+    from quantmla.quant.scheme import parse_scheme
+
+    with user_errors():
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        src = inspect_model(model)
+        meta = src.meta or {}
+        names = [parse_scheme(s.strip()).name for s in (scheme or meta.get("scheme", "bf16")).split(",") if s.strip()]
+        task_names = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not names or not task_names:
+            raise ValueError(f"--scheme {scheme!r} / --tasks {tasks!r}: give at least one of each")
+        if include_path is not None and not include_path.is_dir():
+            raise ValueError(f"--include-path {include_path}: not a folder")
+        if limit is not None and (limit <= 0 or (limit >= 1 and limit != int(limit))):
+            raise ValueError(f"--limit {limit}: a count (integer >= 1) or a fraction in (0, 1)")
+        caches = [LmEvalCache(scheme=s, group_size=meta.get("group_size", 64) if group_size is None else group_size,
+                              sink=meta.get("sink", 4) if sink is None else sink,
+                              recent=meta.get("recent", 128) if recent is None else recent)
+                  for s in names]  # fmt: skip
+        m, tok = load(src, dtype=torch_dtype, device=dev)
+        runs = {}
+        for c in caches:
+            lm = lm_eval_model(m, tok, c, batch_size=batch_size)
+            lim = None if limit is None else (int(limit) if limit >= 1 else limit)
+            runs[c.scheme] = run_lm_eval(lm, task_names, str(include_path) if include_path else None, lim,
+                                         num_fewshot, seed)  # fmt: skip
+    out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "limit": limit,
+           "caches": [c.__dict__ for c in caches], "runs": runs}  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(out, indent=2, default=str))
+        return
+    t = Table(
+        title=f"{model} in {dtype_name(torch_dtype)} on {dev}: lm-eval"
+        f"{'' if limit is None else f', limit {limit}'}, sink {caches[0].sink} + recent {caches[0].recent}"
+    )
+    for col in ("scheme", "task", "metric", "value", "stderr"):
+        t.add_column(col, justify="left" if col in ("scheme", "task", "metric") else "right")
+    for s, run in runs.items():
+        for task, metrics in run["results"].items():
+            for key, v in metrics.items():
+                if key == "alias" or "_stderr" in key or not isinstance(v, int | float):
+                    continue
+                name, _, filt = key.partition(",")
+                err = metrics.get(f"{name}_stderr,{filt}")
+                t.add_row(s, task, key, f"{v:.4f}", f"{err:.4f}" if isinstance(err, int | float) else "-")
+    Console().print(t)

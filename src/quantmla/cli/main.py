@@ -47,9 +47,10 @@ def demo(
     recent: int = typer.Option(128, min=0, help="Most recent tokens kept unquantised."),
     calibrate_steps: int = typer.Option(10, min=0, help="Steps of the short QuantMLA calibration (0: skip)."),
     calibrate_model_steps: int = typer.Option(5, min=0, help="Model-level steps of the short calibration."),
+    needle_len: int = typer.Option(2048, min=0, help="Tokens of the one-needle retrieval per scheme (0: skip)."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP + " The demo runs on the CPU."),
 ) -> None:
-    """Perplexity, generation and bytes/token with BF16, FP8 and low-bit latent caches side by side."""
+    """Perplexity, generation, one needle and bytes/token with BF16, FP8 and low-bit latent caches side by side."""
     from quantmla.cli.demo import DemoConfig, check, render
 
     with user_errors():
@@ -63,6 +64,7 @@ def demo(
             recent=recent,
             calibrate_steps=calibrate_steps,
             calibrate_model_steps=calibrate_model_steps,
+            needle_len=needle_len,
             dtype=dtype,
         )
         check(cfg)

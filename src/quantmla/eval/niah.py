@@ -38,7 +38,8 @@ class NiahConfig:
     lengths: tuple[int, ...] = (1024, 2048, 4096)
     depths: tuple[int, ...] = (0, 25, 50, 75, 100)
     num_examples: int = 2
-    new_tokens: int = 12
+    #: greedy answer tokens beyond the value's own (the value's token count differs by tokenizer and value)
+    new_tokens: int = 4
     seed: int = 0
     group_size: int = 64
     sink: int = 4
@@ -68,6 +69,7 @@ class Example:
     prompt_ids: list[int] = field(repr=False)
     value: str
     needle_token: int  # where the asked needle starts in the prompt (token index)
+    value_tokens: int  # tokens of " VALUE." (the answer as the needle states it)
     haystack_tokens: int  # the prompt's haystack tokens (without needles and question)
 
 
@@ -118,7 +120,7 @@ def make_example(tokenizer, corpus_ids: list[int], noise_ids: list[int], task: s
         prev = spot
     ids += hay[prev:] + question
     assert len(ids) == length, (len(ids), length)
-    return Example(task, length, depth, index, ids, values[asked], where, room)
+    return Example(task, length, depth, index, ids, values[asked], where, len(enc(f" {values[asked]}.")), room)
 
 
 def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
@@ -131,16 +133,22 @@ def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
 
 
 @torch.no_grad()
-def answer(model, prompt: torch.Tensor, scheme: str, cfg: NiahConfig) -> list[int]:
-    """Greedy answer tokens of ``prompt [1, T]`` through the cache as decode sees it."""
+def answer(model, prompt: torch.Tensor, scheme: str, cfg: NiahConfig, value_tokens: int = 0) -> list[int]:
+    """``value_tokens + cfg.new_tokens`` greedy answer tokens of ``prompt [1, T]`` through the cache as decode
+    sees it."""
     from quantmla.cache import QuantizedLatentCache
     from quantmla.models.compat import cache_kwargs
+    from quantmla.models.latent import enable_latent_attention, expanded_attention, is_latent_attention_enabled
 
+    if not is_latent_attention_enabled(model):
+        enable_latent_attention(model)
     cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
                                  recent=cfg.recent)  # fmt: skip
-    model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(cache))
+    cache.declare_latent_reader()  # the decode steps below run under latent attention (the kernel on CUDA)
+    with expanded_attention(model):  # the prefill: the same attention through sdpa, without L x L score matrices
+        model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(cache))
     tok, out = prompt[:, -1:], []
-    for _ in range(cfg.new_tokens):
+    for _ in range(value_tokens + cfg.new_tokens):
         logits = model(input_ids=tok, use_cache=True, **cache_kwargs(cache)).logits[:, -1]
         tok = logits.argmax(-1, keepdim=True)
         out.append(int(tok))
@@ -165,7 +173,12 @@ class NiahRow:
 def run_niah(
     model, tokenizer, corpus: str, schemes: list[str], cfg: NiahConfig, progress: bool = True
 ) -> list[NiahRow]:
-    """Every example under every scheme; one row each."""
+    """Every example under every scheme; one row each. Latent attention is enabled on ``model`` (in place), so
+    on CUDA in BF16 the answers decode through the fused kernel, as a deployment would."""
+    from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
+
+    if not is_latent_attention_enabled(model):
+        enable_latent_attention(model)
     exs = examples(tokenizer, corpus, cfg)
     dev = next(model.parameters()).device
     rows = []
@@ -173,7 +186,7 @@ def run_niah(
         for scheme in schemes:
             for ex in exs:
                 ids = torch.tensor([ex.prompt_ids], device=dev)
-                text = tokenizer.decode(answer(model, ids, scheme, cfg))
+                text = tokenizer.decode(answer(model, ids, scheme, cfg, ex.value_tokens))
                 rows.append(NiahRow(scheme, ex.task, ex.length, ex.depth, ex.index, ex.value, text, ex.value in text))
                 bar.update()
     return rows

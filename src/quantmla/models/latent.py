@@ -20,6 +20,8 @@ explicitly (``cache.decode_backend(layer_idx)``), never through attributes set o
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +165,9 @@ def _bind_cache(module: nn.Module, args: tuple, kwargs: dict) -> None:
     state.cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if state.cache is None and len(args) > 3:  # (hidden_states, position_embeddings, attention_mask, cache)
         state.cache = args[3]
+    declare = getattr(state.cache, "declare_latent_reader", None)
+    if declare is not None and module.config._attn_implementation == ATTN_IMPLEMENTATION:
+        declare()  # this cache may now decode through its kernel: this module can read such a step
 
 
 def _release_cache(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -226,6 +231,20 @@ def disable_latent_attention(model: nn.Module) -> nn.Module:
     if prev is not None:
         _set_attn_implementation(model, prev)
     return model
+
+
+@contextmanager
+def expanded_attention(model: nn.Module, name: str = "sdpa") -> Iterator[nn.Module]:
+    """Within the block, a latent-attention model expands the cached latent through ``kv_b_proj`` and attends
+    with transformers' ``name`` implementation: the same attention, computed per head (for long prefills,
+    where ``sdpa``'s fused kernels need far less memory than the absorbed path's score matrices)."""
+    if not is_latent_attention_enabled(model):
+        raise ValueError("expanded_attention: latent attention is not enabled on this model")
+    _set_attn_implementation(model, name)
+    try:
+        yield model
+    finally:
+        _set_attn_implementation(model, ATTN_IMPLEMENTATION)
 
 
 def is_latent_attention_enabled(model: nn.Module) -> bool:

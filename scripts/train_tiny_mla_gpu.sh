@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Model v2 on one GPU machine, in one device call (issue 17). Here, first:
+#   python scripts/build_corpus.py --out .data/corpus-v2 --kernel --kernel-share 0.4 --package-bytes 700000
+#   python scripts/train_tokenizer.py --corpus .data/corpus-v2 --out .data/tokenizer-v2 --vocab 8192 --train-mb 40
+#   scripts/train_tiny_mla_gpu.sh pack      # .data/gpu: xz'd token arrays, tokenizer, NIAH haystack text (49 MB)
+# then on the device (carry .data/gpu; the bundled model's shards removed from the working tree, so the tree
+# and the carry fit in 64 MiB): scripts/train_tiny_mla_gpu.sh run
+# It trains for BUDGET minutes (default 6.8), evaluates the shipped BF16 weights on the whole validation and
+# test splits, runs the BF16 needle test, and leaves in $OUT the two shards and rest.tar (config, tokenizer,
+# training_log.json, loss_curve.png, niah/).
+set -u
+case "${1:-}" in
+pack)
+  mkdir -p .data/gpu
+  for s in train validation test; do xz -T2 -6 -c ".data/tokenizer-v2/$s.u16.npy" > ".data/gpu/$s.u16.npy.xz"; done
+  cp .data/tokenizer-v2/tokenizer.json .data/tokenizer-v2/tokenizer_config.json .data/tokenizer-v2/tokenizer_stats.json .data/gpu/
+  cp .data/corpus-v2/package/test.txt .data/gpu/niah-text.txt
+  ;;
+run)
+  export PYTHONPATH=src
+  T=/tmp/tok; W=/tmp/train; mkdir -p "$T" "$W"
+  cp .data/gpu/tokenizer* "$T/" || exit 1
+  python -c "
+import lzma, shutil
+for s in ('train', 'validation', 'test'):
+    with lzma.open('.data/gpu/' + s + '.u16.npy.xz') as f, open('$T/' + s + '.u16.npy', 'wb') as g:
+        shutil.copyfileobj(f, g, 1 << 24)"
+  python scripts/train_tiny_mla.py --tokens "$T" --out "$W" --seq 4096 --batch 16 --retrieval-share 0.2 \
+    --budget-minutes "${BUDGET:-6.8}" --max-minutes "$(python -c "print(${BUDGET:-6.8} + 0.5)")" ${TRAIN_ARGS:-} 2>&1 | tee "$W/train.log"
+  timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
+    --text .data/gpu/niah-text.txt --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"
+  mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json"
+  cp "$W"/model/model-0000*.safetensors "$OUT/"
+  tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah
+  ;;
+*) echo "usage: $0 pack|run" >&2; exit 2 ;;
+esac
