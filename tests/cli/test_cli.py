@@ -115,6 +115,14 @@ def test_eval_ppl_bytes_come_from_the_storage_of_this_model():
     assert r["cache_backend"] == "torch"
 
 
+def test_eval_ppl_windows_default_to_the_model_context():
+    res = runner.invoke(app, ["eval", "ppl", "--scheme", "bf16", "--num-seqs", "1", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    (r,) = _json(res)["results"]
+    assert r["seq_len"] == 4096 and r["sequences"] == 1  # model v2's max_position_embeddings
+    assert r["tokens"] == 4095 and math.isfinite(r["ppl"])
+
+
 def test_eval_ppl_table_states_dtype_and_device():
     res = runner.invoke(
         app,
@@ -154,10 +162,13 @@ def test_version():
 
 
 def test_eval_ppl_default_is_a_spread_subset_and_all_is_every_window():
-    res = runner.invoke(app, ["eval", "ppl", "--seq-len", "64", "--scheme", "bf16,c4r4", "--json"])
+    from quantmla.cli.eval_cmd import SUBSET_TOKENS
+
+    n = SUBSET_TOKENS // 512  # the default subset: this many tokens of windows
+    res = runner.invoke(app, ["eval", "ppl", "--seq-len", "512", "--scheme", "bf16,c4r4", "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout[res.stdout.index("{") :])["results"]
-    assert all(r["sequences"] == 32 and r["tokens"] == 32 * 63 for r in rows)
-    assert rows[0]["total_windows"] > 32 and rows[0]["ppl_ci"][0] < rows[0]["ppl"] < rows[0]["ppl_ci"][1]
+    assert all(r["sequences"] == n and r["tokens"] == n * 511 for r in rows)
+    assert rows[0]["total_windows"] > n and rows[0]["ppl_ci"][0] < rows[0]["ppl"] < rows[0]["ppl_ci"][1]
     res = runner.invoke(app, ["eval", "ppl", "--seq-len", "64", "--all", "--num-seqs", "3"])
     assert res.exit_code == 2 and "either --all or --num-seqs" in res.output

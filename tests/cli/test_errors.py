@@ -115,6 +115,8 @@ def test_bad_scheme_method_group_before_any_weight(no_weights):
     _usage_error(["eval", "ppl", "--scheme", "c9r4"], "unknown cache scheme 'c9r4'", "valid: bf16, fp8")
     _usage_error(["eval", "ppl", "--scheme", "bf16,,c2r5"], "'c2r5'", "valid: bf16")
     _usage_error(["eval", "ppl", "--scheme", ","], "names no scheme", "valid: bf16")
+    _usage_error(["eval", "ppl", "--seq-len", "8192"], "--seq-len 8192", "max_position_embeddings=4096")
+    _usage_error(["eval", "lm-eval", "--tasks", "x", "--limit", "2.5"], "--limit 2.5", "a count")
     _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "48"], "group_size=48", "divisors of 256")
     _usage_error(["eval", "ppl", "--scheme", "c4r4", "--group-size", "128"], "RoPE key", "divisors of 64")
     _usage_error(["demo", "--schemes", "bf16,int3"], "unknown cache scheme 'int3'", "valid: bf16")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantmla import QuantizedLatentCache, enable_latent_attention
-from quantmla.eval import simulated_decode
+from quantmla.eval import simulate, simulated_decode
 from quantmla.models.compat import cache_kwargs
 from tiny_models import tiny_model
 
@@ -55,7 +55,10 @@ def _fast_and_slow(model, ids, scheme, sink, recent):
         ("deepseek_v2", "c4rm4x16-2x16-3x32", 1, 0),  # mixed widths on the RoPE key
     ],
 )
-def test_simulation_equals_token_by_token_decode(name, scheme, sink, recent):
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "query-chunks"])
+def test_simulation_equals_token_by_token_decode(name, scheme, sink, recent, chunked, monkeypatch):
+    if chunked:  # the smallest chunk (16 queries): the 29-token rows attend in two chunks
+        monkeypatch.setattr(simulate, "SCORE_CHUNK_ELEMENTS", 1)
     model = _float64_throughout(enable_latent_attention(tiny_model(name, dtype=torch.float64)))
     ids = torch.randint(3, 256, (2, 29))
     fast, slow = _fast_and_slow(model, ids, scheme, sink, recent)

@@ -33,7 +33,7 @@ class DemoConfig:
     model: str = DEFAULT_MODEL
     schemes: tuple[str, ...] = ("bf16", "fp8", "c4r4", "c2r4")
     seq_len: int = 512
-    num_seqs: int = 16
+    num_seqs: int = 12
     prompt_len: int = 320
     new_tokens: int = 48
     sink: int = 4

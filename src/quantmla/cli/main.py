@@ -40,7 +40,7 @@ def demo(
     schemes: str = typer.Option(
         "bf16,fp8,c4r4,c2r4", help="Comma-separated cache schemes; the first is the reference."
     ),
-    num_seqs: int = typer.Option(16, min=1, help="Test windows for perplexity."),
+    num_seqs: int = typer.Option(12, min=1, help="Test windows for perplexity."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per window."),
     new_tokens: int = typer.Option(48, min=1, help="Greedy tokens to generate."),
     sink: int = typer.Option(4, min=0, help="Leading tokens kept unquantised."),

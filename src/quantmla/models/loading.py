@@ -97,12 +97,18 @@ def _derived_path(name: str) -> Path:
 
     base, rank, seed = _DERIVED[name]
     root = Path(os.environ.get("QUANTMLA_CACHE", Path.home() / ".cache" / "quantmla")).expanduser()
-    out = root / f"{name}-v2"
+    import hashlib
+
+    src = builtin_path(base)
+    digest = hashlib.sha256()
+    for f in sorted(src.glob("*.safetensors")) + [src / "config.json"]:
+        digest.update(f.read_bytes())
+    # keyed by the base model's bytes: a new bundled model never reuses a derivation of the old one
+    out = root / f"{name}-v2-{digest.hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
     logger.info("building builtin:%s (builtin:%s, latent embedded to %d channels) in %s", name, base, rank, out)
-    src = builtin_path(base)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float64)
     wide = embed_latent(model, rank, seed=seed).to(torch.float32)
     wide.config.dtype = "float32"
