@@ -49,3 +49,17 @@ def test_the_kernel_reader_keeps_sources_and_docs_and_drops_the_rest(tmp_path):
     assert half == bc.collect_kernel(tmp_path, 0.5)[0]  # deterministic
     assert {rel for _, rel, _ in half} <= {rel for _, rel, _ in docs}  # a share of the same files
     assert dropped_half["not_sampled"] > 0
+
+
+def test_the_shipped_subset_is_deterministic_small_and_in_corpus_order(tmp_path):
+    bc = _module()
+    texts = [f"doc {i} " + "x" * (100 * (i % 7 + 1)) for i in range(60)]
+    rels = [f"dir/file{i}.c" for i in range(60)]
+    a = bc.write_subset(tmp_path / "a.txt", texts, rels, 5000)
+    b = bc.write_subset(tmp_path / "b.txt", texts, rels, 5000)
+    assert a == b and (tmp_path / "a.txt").read_text() == (tmp_path / "b.txt").read_text()
+    body = (tmp_path / "a.txt").read_text()
+    assert a["bytes"] == len(body.encode()) <= 5000 + 1 and 0 < a["documents"] < 60
+    kept = [i for i, t in enumerate(texts) if t in body.rstrip("\n").split("\n\n")]
+    assert len(kept) == a["documents"] and body == "\n\n".join(texts[i] for i in kept) + "\n"  # in corpus order
+    assert kept != list(range(a["documents"]))  # a hash sample, not the first documents
