@@ -174,11 +174,7 @@ def run_niah(
     model, tokenizer, corpus: str, schemes: list[str], cfg: NiahConfig, progress: bool = True
 ) -> list[NiahRow]:
     """Every example under every scheme; one row each. Latent attention is enabled on ``model`` (in place), so
-    on CUDA in BF16 the answers decode through the fused kernel, as a deployment would."""
-    from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
-
-    if not is_latent_attention_enabled(model):
-        enable_latent_attention(model)
+    on CUDA in BF16 the answers decode through the fused kernel, as a deployment would (:func:`answer`)."""
     exs = examples(tokenizer, corpus, cfg)
     dev = next(model.parameters()).device
     rows = []
