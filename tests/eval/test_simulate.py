@@ -59,6 +59,7 @@ def _fast_and_slow(model, ids, scheme, sink, recent):
 def test_simulation_equals_token_by_token_decode(name, scheme, sink, recent, chunked, monkeypatch):
     if chunked:  # the smallest chunk (16 queries): the 29-token rows attend in two chunks
         monkeypatch.setattr(simulate, "SCORE_CHUNK_ELEMENTS", 1)
+        monkeypatch.setattr(simulate, "QUERY_CHUNK", 16)
     model = _float64_throughout(enable_latent_attention(tiny_model(name, dtype=torch.float64)))
     ids = torch.randint(3, 256, (2, 29))
     fast, slow = _fast_and_slow(model, ids, scheme, sink, recent)

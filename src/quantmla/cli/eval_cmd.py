@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,10 +19,39 @@ app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised
 DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
 #: tokens `eval ppl` evaluates by default, in windows spread over the text: under a minute a scheme on 2 CPU cores
 #: with the bundled model (`--all` for every window)
-SUBSET_TOKENS = 32768
+SUBSET_TOKENS = 24576
 #: default window: the model's context, at most this many tokens
 MAX_DEFAULT_SEQ_LEN = 4096
 DTYPE_HELP = "Model dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32, float64."
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The cache an eval command runs: its options where given, else the model's ``quantmla.json`` (an
+    export's), else quantmla's defaults (bf16, sink 4, recent 128, groups of 64)."""
+
+    schemes: tuple[str, ...]
+    sink: int
+    recent: int
+    group_size: int
+
+
+def cache_settings(meta: dict | None, scheme: str | None, sink: int | None, recent: int | None,
+                   group_size: int | None, no_sink_recent: bool = False) -> CacheSettings:  # fmt: skip
+    """:class:`CacheSettings` from the command's options and the model's metadata; a ``ValueError`` naming the
+    bad value for a scheme list that names no scheme or an unknown scheme."""
+    from quantmla.quant.scheme import parse_scheme
+
+    meta = meta or {}
+    text = scheme or meta.get("scheme", "bf16")
+    names = tuple(parse_scheme(s.strip()).name for s in text.split(",") if s.strip())
+    if not names:
+        raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
+    sink = meta.get("sink", 4) if sink is None else sink
+    recent = meta.get("recent", 128) if recent is None else recent
+    if no_sink_recent:
+        sink, recent = 0, 0
+    return CacheSettings(names, sink, recent, meta.get("group_size", 64) if group_size is None else group_size)
 
 
 def results_table(title: str, results) -> Table:
@@ -101,16 +131,7 @@ def ppl(
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        meta = src.meta or {}
-        scheme = scheme or meta.get("scheme", "bf16")
-        sink = meta.get("sink", 4) if sink is None else sink
-        recent = meta.get("recent", 128) if recent is None else recent
-        group_size = meta.get("group_size", 64) if group_size is None else group_size
-        if no_sink_recent:
-            sink, recent = 0, 0
-        names = [s.strip() for s in scheme.split(",") if s.strip()]
-        if not names:
-            raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size, no_sink_recent)
         if all_windows and num_seqs is not None:
             raise ValueError("give either --all or --num-seqs, not both")
         limit = getattr(src.config, "max_position_embeddings", None) or MAX_DEFAULT_SEQ_LEN
@@ -122,10 +143,10 @@ def ppl(
         n = None if all_windows else max(1, SUBSET_TOKENS // seq_len) if subset else num_seqs
         cfgs = [
             PerplexityConfig(
-                scheme=s, seq_len=seq_len, num_seqs=n, spread=subset, sink=sink, recent=recent,
-                group_size=group_size, batch_size=batch_size, per_window=True,
+                scheme=s, seq_len=seq_len, num_seqs=n, spread=subset, sink=cs.sink, recent=cs.recent,
+                group_size=cs.group_size, batch_size=batch_size, per_window=True,
             )
-            for s in names
+            for s in cs.schemes
         ]  # fmt: skip
         for c in cfgs:
             cache_config(src.config, c)
@@ -156,7 +177,12 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 @app.command()
 def niah(
     model: str = typer.Argument(DEFAULT_MODEL, help="builtin:NAME, a local model directory, or a cached hub id."),
-    scheme: str = typer.Option("bf16", "--scheme", "-s", help="Cache scheme(s), comma-separated (e.g. bf16,c4r4)."),
+    scheme: str = typer.Option(
+        None,
+        "--scheme",
+        "-s",
+        help="Cache scheme(s), comma-separated, e.g. bf16,c4r4 (default: the model's quantmla.json scheme, else bf16).",
+    ),
     tasks: str = typer.Option("niah-1,niah-2,niah-3", help="Tasks: niah-1, niah-2, niah-3, niah-mk."),
     lengths: str = typer.Option("1024,2048,4096", help="Context lengths in tokens, comma list."),
     depths: str = typer.Option("0,25,50,75,100", help="Needle depths in percent, comma list."),
@@ -174,23 +200,17 @@ def niah(
     """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
     from quantmla.eval.niah import NiahConfig, accuracy, heatmap, run_niah
     from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
-    from quantmla.quant.scheme import parse_scheme
 
     with user_errors():
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        meta = src.meta or {}
-        names = [s.strip() for s in scheme.split(",") if s.strip()]
-        if not names:
-            raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
-        names = [parse_scheme(s).name for s in names]
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size)
+        names = list(cs.schemes)
         cfg = NiahConfig(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), lengths=_ints(lengths, "lengths"),
-            depths=_ints(depths, "depths"), num_examples=num_examples, seed=seed,
-            group_size=meta.get("group_size", 64) if group_size is None else group_size,
-            sink=meta.get("sink", 4) if sink is None else sink,
-            recent=meta.get("recent", 128) if recent is None else recent,
+            depths=_ints(depths, "depths"), num_examples=num_examples, seed=seed, group_size=cs.group_size,
+            sink=cs.sink, recent=cs.recent,
         )  # fmt: skip
         limit = getattr(src.config, "max_position_embeddings", None)
         if limit is not None and max(cfg.lengths) > limit:
@@ -252,25 +272,20 @@ def lm_eval_cmd(
     """lm-eval tasks (``HFLM``) with the quantised cache: log-likelihoods and generations both read it."""
     from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval
     from quantmla.models.loading import dtype_name, inspect_model, load, resolve_device, resolve_dtype
-    from quantmla.quant.scheme import parse_scheme
 
     with user_errors():
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        meta = src.meta or {}
-        names = [parse_scheme(s.strip()).name for s in (scheme or meta.get("scheme", "bf16")).split(",") if s.strip()]
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size)
         task_names = [t.strip() for t in tasks.split(",") if t.strip()]
-        if not names or not task_names:
-            raise ValueError(f"--scheme {scheme!r} / --tasks {tasks!r}: give at least one of each")
+        if not task_names:
+            raise ValueError(f"--tasks {tasks!r} names no task")
         if include_path is not None and not include_path.is_dir():
             raise ValueError(f"--include-path {include_path}: not a folder")
         if limit is not None and (limit <= 0 or (limit >= 1 and limit != int(limit))):
             raise ValueError(f"--limit {limit}: a count (integer >= 1) or a fraction in (0, 1)")
-        caches = [LmEvalCache(scheme=s, group_size=meta.get("group_size", 64) if group_size is None else group_size,
-                              sink=meta.get("sink", 4) if sink is None else sink,
-                              recent=meta.get("recent", 128) if recent is None else recent)
-                  for s in names]  # fmt: skip
+        caches = [LmEvalCache(scheme=s, group_size=cs.group_size, sink=cs.sink, recent=cs.recent) for s in cs.schemes]
         m, tok = load(src, dtype=torch_dtype, device=dev)
         runs = {}
         for c in caches:

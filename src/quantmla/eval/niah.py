@@ -138,15 +138,15 @@ def answer(model, prompt: torch.Tensor, scheme: str, cfg: NiahConfig, value_toke
     sees it."""
     from quantmla.cache import QuantizedLatentCache
     from quantmla.models.compat import cache_kwargs
-    from quantmla.models.latent import enable_latent_attention, expanded_attention, is_latent_attention_enabled
+    from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
 
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
     cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
                                  recent=cfg.recent)  # fmt: skip
     cache.declare_latent_reader()  # the decode steps below run under latent attention (the kernel on CUDA)
-    with expanded_attention(model):  # the prefill: the same attention through sdpa, without L x L score matrices
-        model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(cache))
+    # the prefill: latent attention computes its many queries in the expanded form (no L x L score matrices)
+    model(input_ids=prompt[:, :-1], use_cache=True, **cache_kwargs(cache))
     tok, out = prompt[:, -1:], []
     for _ in range(value_tokens + cfg.new_tokens):
         logits = model(input_ids=tok, use_cache=True, **cache_kwargs(cache)).logits[:, -1]

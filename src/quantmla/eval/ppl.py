@@ -94,16 +94,23 @@ def scheme_label(scheme: str, dtype: str) -> str:
 def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None, spread: bool = False) -> torch.Tensor:
     """Windows ``[n, seq_len]`` of the text's tokens: all full windows, the first ``num_seqs``, or with
     ``spread`` ``num_seqs`` of them evenly spaced over the text (at most all of them)."""
+    return _select(_all_windows(tokenizer, text, seq_len), num_seqs, spread)
+
+
+def _all_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     n = len(ids) // seq_len
     if n == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")
-    all_windows = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def _select(all_windows: torch.Tensor, num_seqs: int | None, spread: bool) -> torch.Tensor:
+    n, seq_len = all_windows.shape
     if num_seqs is None:
         return all_windows
     if spread:
-        k = min(num_seqs, n)
-        return all_windows[torch.linspace(0, n - 1, k).round().long()]
+        return all_windows[torch.linspace(0, n - 1, min(num_seqs, n)).round().long()]
     if num_seqs > n:
         raise ValueError(f"num_seqs={num_seqs} but the text holds only {n} windows of {seq_len} tokens")
     return all_windows[:num_seqs]
@@ -143,6 +150,13 @@ def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
                              cfg.sink, cfg.recent)  # fmt: skip
 
 
+def _next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T-1]`` negative log-likelihood of each next token (the cross-entropy, read off the logits in place:
+    no copy of the ``[B, T-1, vocab]`` slice)."""
+    head = logits[:, :-1]
+    return torch.logsumexp(head, -1) - head.gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     """Logits for the loss: bfloat16 promoted to float32, float64 kept (a float64 model's NLL stays float64)."""
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -170,8 +184,8 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
     cache_config(model.config, cfg)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
-    windows = token_windows(tokenizer, text, cfg.seq_len, cfg.num_seqs, cfg.spread)
-    total_windows = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) // cfg.seq_len
+    every = _all_windows(tokenizer, text, cfg.seq_len)
+    windows, total_windows = _select(every, cfg.num_seqs, cfg.spread), len(every)
     param = next(model.parameters())
     device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []
@@ -180,14 +194,14 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         x = windows[start : start + cfg.batch_size].to(device)
         with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
             logits = _at_least_float32(model(x, use_cache=False).logits)
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="none")
-        nll = nll.view(x.shape[0], -1).double().sum(1)
+        nll = _next_token_nll(logits, x).double().sum(1)
         per_window += nll.tolist()
         nll = nll.sum()
         total += float(nll)
         count += x[:, 1:].numel()
-        if cfg.kl:
-            ref = torch.log_softmax(_at_least_float32(model(x, use_cache=False).logits)[:, :-1], -1)
+        if cfg.kl:  # the reference: every key as computed (the simulation's one causal pass)
+            with simulated_decode(model, "bf16", cfg.group_size, cfg.sink, cfg.recent):
+                ref = torch.log_softmax(_at_least_float32(model(x, use_cache=False).logits)[:, :-1], -1)
             out = torch.log_softmax(logits[:, :-1], -1)
             kl_sum += float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="sum"))
     nll = total / count

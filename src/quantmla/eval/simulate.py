@@ -17,11 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantmla.models.expanded import expand_latent, expanded_latent_attention, padded_sdpa
 from quantmla.models.latent import module_states
 from quantmla.quant.scheme import CacheScheme, parse_scheme
 
-#: elements of one query chunk's score matrix ``[B, H, chunk, L]`` (bounds the memory of ``attend``; a module constant)
-SCORE_CHUNK_ELEMENTS = 1 << 22
+#: elements of one query chunk's score matrix ``[B, H, chunk, L]`` (bounds the memory of ``attend``; a module
+#: constant: 64 MB of float32 scores where they are formed)
+SCORE_CHUNK_ELEMENTS = 1 << 24
+#: queries per chunk of the token-granular (expanded) path, whose fused attention kernels form no score matrix:
+#: each chunk copies the keys it sees once, so larger chunks copy less (a module constant)
+QUERY_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,56 @@ class SimulatedDecodeCache:
                 f"the decode-cache simulation scores a whole sequence in one forward (no cache); got {s} queries "
                 f"over {l_kv} keys. Call the model with use_cache=False."
             )
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]
+        if self.scheme.content.page is None and self.scheme.rope.page is None:
+            return self._attend_expanded(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
+        return self._attend_paged(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
+
+    def _attend_expanded(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask) -> torch.Tensor:
+        """Token-granular schemes: per-head keys and values expanded from the latent (``W_UK c``, ``W_UV c``:
+        the same scores and outputs as the absorbed form, at ``d_nope + d_rope`` and ``d_v`` per pair instead of
+        ``d_c + d_rope`` and ``d_c``), attended with ``scaled_dot_product_attention``. A query chunk attends over
+        the stored (quantised) keys it can see, plus the sinks and its recent band as computed, with a mask that
+        gives each (query, key) pair exactly one of the two forms."""
+        s = q_nope.shape[-2]
+        if not self.scheme.quantized:  # every key as computed: one causal pass
+            return expanded_latent_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
+        k, v = expand_latent(latent, rope_key, w_uk, w_uv)
+        k_q, v_q = expand_latent(*self.quantize(latent, rope_key), w_uk, w_uv)
+        q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
+        d_v = v.shape[-1]
+        width = max(q.shape[-1], d_v)  # one head width for the fused kernels (zero padding changes nothing)
+        q, k, k_q = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, k_q))
+        v, v_q = (torch.nn.functional.pad(x, (0, width - d_v)) for x in (v, v_q))
+        dev = q.device
+        outs = []
+        for i in range(0, s, QUERY_CHUNK):
+            e = min(
+                s, i + QUERY_CHUNK
+            )  # queries i..e-1 see keys 0..e-1 at most (decode is causal): the rest is skipped
+            t = torch.arange(i, e, device=dev)[:, None]
+            j = torch.arange(e, device=dev)[None, :]
+            hp = (j < self.sink) | (j > t - self.recent)
+            spans = self._unquantised_spans(i, e)
+            keys, values, allowed = [k_q[..., :e, :]], [v_q[..., :e, :]], [(j <= t) & ~hp]
+            for k0, k1 in spans:  # the same keys as computed, where decode reads them so
+                keys.append(k[..., k0:k1, :])
+                values.append(v[..., k0:k1, :])
+                allowed.append(hp[:, k0:k1] & (j[:, k0:k1] <= t))
+            m = torch.cat(allowed, dim=-1)  # [chunk, keys]
+            if mask is not None:
+                given = mask[..., i:e, :e]
+                given = torch.cat([given, *(given[..., k0:k1] for k0, k1 in spans)], dim=-1)
+                low = torch.finfo(q.dtype).min
+                m = m & given if given.dtype == torch.bool else torch.where(m, given.to(q.dtype), low)
+            outs.append(padded_sdpa(q[..., i:e, :], torch.cat(keys, -2), torch.cat(values, -2), scale, m, False))
+        return torch.cat(outs, dim=-2)[..., :d_v].transpose(1, 2).contiguous()
+
+    def _attend_paged(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask) -> torch.Tensor:
+        """A per-channel-in-page path: each path read unquantised where its own mask says (the filling page
+        too), so scores are formed in the absorbed form, per query chunk, both paths over every key."""
+        s, l_kv = q_nope.shape[-2], latent.shape[-2]
         c_q, k_q = self.quantize(latent, rope_key)
         q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
         acc = torch.promote_types(q_lat.dtype, torch.float32)
@@ -81,59 +136,28 @@ class SimulatedDecodeCache:
         hp_r = hp if same else self.full_precision_mask(s, q_nope.device, self.scheme.rope.page)
         if mask is None:
             mask = torch.ones(s, s, dtype=torch.bool, device=q_nope.device).tril()
-        # queries in chunks: the score matrices of one chunk are [B, H, chunk, <= L] (about 64M elements at most),
-        # so 4K-token windows fit in memory; each query's softmax is over all the keys it can see, as in one pass
         b, h = q_lat.shape[0], q_lat.shape[1]
         chunk = max(16, SCORE_CHUNK_ELEMENTS // max(1, b * h * l_kv))
-        # no paged path: the unquantised keys are the sinks and a band of recent keys, scored in a second pass
-        # over those keys only (a paged path reads a filling page unquantised too: both passes over every key)
-        band = same and self.scheme.content.page is None
         outs = []
         for i in range(0, s, chunk):
-            e = min(s, i + chunk)  # queries i..e-1 see keys 0..e-1 at most (decode is causal): the rest is skipped
+            e = min(s, i + chunk)
             rows = slice(i, e)
             ql, qp, m = q_lat[..., rows, :], q_pe[..., rows, :], mask[..., rows, :e]
             lat, rk, cq, kq = latent[..., :e, :], rope_key[..., :e, :], c_q[..., :e, :], k_q[..., :e, :]
             hp_c, hp_rc = hp[rows, :e], hp_r[rows, :e]
-            if not self.scheme.quantized:  # every key as computed: one pass
-                scores = (ql @ lat.transpose(-1, -2) + qp @ rk.transpose(-1, -2)).to(acc) * scale
-                spans = None
-            elif band:  # quantised keys everywhere, then the sinks and the recent band as computed
-                scores = (ql @ cq.transpose(-1, -2) + qp @ kq.transpose(-1, -2)).to(acc)
-                spans = self._unquantised_spans(i, e)
-                segs, prev = [], 0
-                for k0, k1 in spans:
-                    exact = ql @ lat[..., k0:k1, :].transpose(-1, -2) + qp @ rk[..., k0:k1, :].transpose(-1, -2)
-                    segs += [scores[..., prev:k0], torch.where(hp_c[:, k0:k1], exact.to(acc), scores[..., k0:k1])]
-                    prev = k1
-                scores = torch.cat([*segs, scores[..., prev:]], dim=-1) * scale
-            elif same:
-                s_hp = (ql @ lat.transpose(-1, -2) + qp @ rk.transpose(-1, -2)).to(acc)
-                s_q = (ql @ cq.transpose(-1, -2) + qp @ kq.transpose(-1, -2)).to(acc)
-                scores = torch.where(hp_c, s_hp, s_q) * scale
-                spans = ((0, e),)
-                del s_hp, s_q
-            else:  # a paged path: each path read unquantised where its own mask says
-                s_c = torch.where(hp_c, (ql @ lat.transpose(-1, -2)).to(acc), (ql @ cq.transpose(-1, -2)).to(acc))
-                s_r = torch.where(hp_rc, (qp @ rk.transpose(-1, -2)).to(acc), (qp @ kq.transpose(-1, -2)).to(acc))
-                scores = (s_c + s_r) * scale
-                spans = ((0, e),)
-                del s_c, s_r
+            s_c = torch.where(hp_c, (ql @ lat.transpose(-1, -2)).to(acc), (ql @ cq.transpose(-1, -2)).to(acc))
+            s_r = torch.where(hp_rc, (qp @ rk.transpose(-1, -2)).to(acc), (qp @ kq.transpose(-1, -2)).to(acc))
+            scores = (s_c + s_r) * scale
+            del s_c, s_r
             if m.dtype == torch.bool:
                 scores = scores.masked_fill(~m, torch.finfo(acc).min)
             else:
                 scores = scores + m.to(acc)
             probs = torch.softmax(scores, dim=-1)
             del scores
-            if spans is None:
-                outs.append(probs.to(latent.dtype) @ lat)
-                continue
             # sum_j p_j v_j with v_j the stored value, plus, where read unquantised, p_j (c_j - stored c_j)
-            o = probs.to(latent.dtype) @ cq
-            for k0, k1 in spans:
-                p_hp = torch.where(hp_c[:, k0:k1], probs[..., k0:k1], 0.0).to(latent.dtype)
-                o = o + p_hp @ (lat[..., k0:k1, :] - cq[..., k0:k1, :])
-            outs.append(o)
+            p_hp = torch.where(hp_c, probs, 0.0).to(latent.dtype)
+            outs.append(probs.to(latent.dtype) @ cq + p_hp @ (lat - cq))
         o_lat = torch.cat(outs, dim=-2)
         out = torch.einsum("bhsc,hvc->bhsv", o_lat, w_uv.to(o_lat.dtype))
         return out.transpose(1, 2).contiguous()

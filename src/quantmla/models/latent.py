@@ -7,7 +7,9 @@ with a pass-through and registers an attention function that computes, per METHO
     s_{h,t} = scale * ((q_h^nope @ W_UK,h) . c_t + q_h^pe . k^R_t),
     o_h = (sum_t softmax(s_h)_t c_t) @ W_UV,h.T,
 
-so the cache is read as the 576-wide latent only. Module globals are never touched.
+so the cache is read as the 576-wide latent only (a call with many queries, e.g. a prefill, computes the same
+attention in the expanded form, :mod:`quantmla.models.expanded`, where that is fewer operations). Module globals
+are never touched.
 
 The pass-through ``expand_kv`` follows the active attention implementation: when the model is switched
 to another one (``model.set_attn_implementation("sdpa")``, or a write to ``config._attn_implementation``),
@@ -20,17 +22,17 @@ explicitly (``cache.decode_backend(layer_idx)``), never through attributes set o
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd import forward_ad
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from quantmla.models import families  # noqa: F401  (registers the adapters)
 from quantmla.models.adapter import MLAAdapter, get_adapter
+from quantmla.models.expanded import expanded_is_cheaper, expanded_latent_attention
 
 ATTN_IMPLEMENTATION = "quantmla_latent"
 _STATE_ATTR = "_quantmla_latent"
@@ -144,7 +146,16 @@ def latent_attention_forward(
         return state.simulation.attend(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
     if want_probs:
         return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=True)
+    s, l_kv = q_nope.shape[-2], key.shape[-2]
+    cheaper = expanded_is_cheaper(s, l_kv, key.shape[-1], nope, q_pe.shape[-1], w_uv.shape[1])  # many queries
+    if cheaper and not _has_tangent(query, key, value):  # (the fused kernels have no forward-mode derivative)
+        return expanded_latent_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
     return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
+
+
+def _has_tangent(*tensors: torch.Tensor) -> bool:
+    """Whether a forward-mode derivative is being carried through any of ``tensors``."""
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 @dataclass
@@ -231,20 +242,6 @@ def disable_latent_attention(model: nn.Module) -> nn.Module:
     if prev is not None:
         _set_attn_implementation(model, prev)
     return model
-
-
-@contextmanager
-def expanded_attention(model: nn.Module, name: str = "sdpa") -> Iterator[nn.Module]:
-    """Within the block, a latent-attention model expands the cached latent through ``kv_b_proj`` and attends
-    with transformers' ``name`` implementation: the same attention, computed per head (for long prefills,
-    where ``sdpa``'s fused kernels need far less memory than the absorbed path's score matrices)."""
-    if not is_latent_attention_enabled(model):
-        raise ValueError("expanded_attention: latent attention is not enabled on this model")
-    _set_attn_implementation(model, name)
-    try:
-        yield model
-    finally:
-        _set_attn_implementation(model, ATTN_IMPLEMENTATION)
 
 
 def is_latent_attention_enabled(model: nn.Module) -> bool:
