@@ -53,6 +53,8 @@ def _fast_and_slow(model, ids, scheme, sink, recent):
         ("deepseek_v3", "bf16", 4, 8),
         ("deepseek_v3", "c2g32q90r4p8", 2, 5),  # RAQ-MLA's formats: clipped groups, a per-channel-in-page key
         ("deepseek_v2", "c4rm4x16-2x16-3x32", 1, 0),  # mixed widths on the RoPE key
+        ("deepseek_v3", "c2tr3t", 2, 5),  # TQ-MSE on both paths
+        ("deepseek_v2", "c4rm4x16-2x16-3x32t", 1, 3),  # Block-GTQ's quantiser: TQ-MSE per width group
     ],
 )
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "query-chunks"])

@@ -1,9 +1,9 @@
 """Packed storage of one cached path (content latent or RoPE key) for a batch of sequences.
 
 Tokens are quantised once, when they are appended, and kept packed: integer codes bit-packed into
-uint8 with fp16 scale/minimum per group, or FP8 e4m3 with a float32 power-of-two scale per 128
-values, or the unquantised values. Capacity grows in whole pages of ``page_size`` tokens, so the
-allocated bytes are what :meth:`PathStore.nbytes` reports.
+uint8 with fp16 scale/minimum per group (TQ-MSE: an fp16 norm per width group), or FP8 e4m3 with a
+float32 power-of-two scale per 128 values, or the unquantised values. Capacity grows in whole pages of
+``page_size`` tokens, so the allocated bytes are what :meth:`PathStore.nbytes` reports.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from quantmla.quant.fp8 import FP8_TILE, dequantize_fp8, quantize_fp8
 from quantmla.quant.mixed import dequantize_mixed, pack_mixed, packed_bytes, quantize_mixed, unpack_mixed
 from quantmla.quant.packing import pack_codes, unpack_codes
 from quantmla.quant.scheme import PathFormat
+from quantmla.quant.turbo import dequantize_turbo, quantize_turbo, width_groups
 
 
 class PathStore:
@@ -47,6 +48,9 @@ class PathStore:
             return {"values": (d, self.hp_dtype)}
         if self.fmt.kind == "fp8":
             return {"values": (d, torch.float8_e4m3fn), "scale": (d // FP8_TILE, torch.float32)}
+        if self.fmt.turbo:
+            bits = self.fmt.widths(d)
+            return {"codes": (packed_bytes(bits), torch.uint8), "norms": (len(width_groups(bits)), torch.float16)}
         g = d // self.group_size
         if self.fmt.channel_bits is not None:
             bits = self.fmt.channel_bits
@@ -71,6 +75,9 @@ class PathStore:
         if self.fmt.kind == "fp8":
             q = quantize_fp8(x, check=check)
             return {"values": q.values, "scale": q.scale}
+        if self.fmt.turbo:
+            q = quantize_turbo(x, self.fmt.widths(self.dim), check=check)
+            return {"codes": pack_mixed(q.codes, q.channel_bits), "norms": q.norms}
         if self.fmt.channel_bits is not None:
             m = quantize_mixed(x, self.fmt.channel_bits, self.group_size, check=check)
             return {"codes": pack_mixed(m.codes, m.bits), "minimum": m.minimum, "span": m.span}
@@ -104,6 +111,9 @@ class PathStore:
             return t["values"].to(dtype)
         if self.fmt.kind == "fp8":
             return dequantize_fp8(t["values"], t["scale"], FP8_TILE, dtype)
+        if self.fmt.turbo:
+            bits = self.fmt.widths(self.dim)
+            return dequantize_turbo(unpack_mixed(t["codes"], bits), t["norms"], bits, dtype)
         if self.fmt.channel_bits is not None:
             bits = self.fmt.channel_bits
             return dequantize_mixed(

@@ -12,7 +12,10 @@ values, RoPE key BF16: FlashMLA's DeepSeek-V3.2 layout) and ``c<spec>r<spec>`` w
   RAQ-MLA's RoPE key, :mod:`~quantmla.quant.channel`; the tokens of a page still filling stay
   unquantised);
 * or ``m<b>x<n>-<b>x<n>...``: mixed widths, runs of ``n`` channels at ``b`` bits in channel order, sharing
-  per-token groups (:mod:`~quantmla.quant.mixed`; Block-GTQ's allocation over the RoPE pairs).
+  per-token groups (:mod:`~quantmla.quant.mixed`; Block-GTQ's allocation over the RoPE pairs);
+* optional ``t`` last: TurboQuant-MSE instead of the affine grid, a random rotation and a Lloyd-Max
+  codebook per group of equal width, one fp16 norm a group (:mod:`~quantmla.quant.turbo`): ``r3t`` is
+  TQ-MSE at 3 bits over the whole key, ``rm4x16-3x32-2x16t`` Block-GTQ's quantiser for an allocation.
 
 So RAQ-MLA's quantiser table is ``c2g128q94r4p128``. Every format reports its storage per token and its
 effective bits per element (BPE), metadata included.
@@ -37,9 +40,10 @@ from quantmla.quant.mixed import (
     quantize_channels_mixed,
     quantize_mixed,
 )
+from quantmla.quant.turbo import TURBO_BITS, quantize_turbo, turbo_bytes_per_token
 
 PathKind = Literal["bf16", "int", "fp8"]
-_SPEC = r"(?:(\d+)|m(\d+x\d+(?:-\d+x\d+)*))(?:g(\d+))?(?:q(\d+(?:\.\d+)?))?(?:p(\d+))?"
+_SPEC = r"(?:(\d+)|m(\d+x\d+(?:-\d+x\d+)*))(?:g(\d+))?(?:q(\d+(?:\.\d+)?))?(?:p(\d+))?(t)?"
 _INT_RE = re.compile(rf"^c{_SPEC}r{_SPEC}$")
 
 
@@ -48,7 +52,8 @@ class PathFormat:
     """Storage of one cached path.
 
     ``group``: this path's group size (``None``: the cache's); ``clip``: per-token clipping quantile;
-    ``page``: per channel within pages of this many tokens; ``channel_bits``: a width per channel (mixed).
+    ``page``: per channel within pages of this many tokens; ``channel_bits``: a width per channel (mixed);
+    ``turbo``: TurboQuant-MSE per group of equal width instead of affine groups.
     """
 
     kind: PathKind
@@ -57,14 +62,21 @@ class PathFormat:
     clip: float | None = None
     page: int | None = None
     channel_bits: tuple[int, ...] | None = None
+    turbo: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("bf16", "int", "fp8"):
             raise ValueError(f"path kind {self.kind!r} unknown; valid: bf16, int, fp8")
         extras = (self.group, self.clip, self.page, self.channel_bits)
-        if self.kind != "int" and any(e is not None for e in extras):
-            raise ValueError(f"group, clipping, pages and mixed widths apply to integer paths, not {self.kind}")
-        if self.kind == "int" and self.channel_bits is None and self.bits not in QUANT_BITS:
+        if self.kind != "int" and (any(e is not None for e in extras) or self.turbo):
+            raise ValueError(f"group, clipping, pages, mixed widths and TQ-MSE apply to integer paths, not {self.kind}")
+        if self.turbo:
+            if self.group is not None or self.clip is not None or self.page is not None:
+                raise ValueError("TQ-MSE (t) groups channels by width: it takes no g<n>, q<pct> or p<P>")
+            bad = sorted({b for b in (self.channel_bits or (self.bits,)) if b and b not in TURBO_BITS})
+            if bad:
+                raise ValueError(f"TQ-MSE widths {bad} not supported; valid: {TURBO_BITS} (0 in mixed widths)")
+        elif self.kind == "int" and self.channel_bits is None and self.bits not in QUANT_BITS:
             raise ValueError(f"integer path bits={self.bits} not supported; valid: {QUANT_BITS}")
         if self.group is not None and self.group <= 0:
             raise ValueError(f"group={self.group} must be positive")
@@ -84,7 +96,8 @@ class PathFormat:
     @property
     def uniform(self) -> bool:
         """Plain per-token groups at the cache's group size: the formats the kernels and records hold."""
-        return self.group is None and self.clip is None and self.page is None and self.channel_bits is None
+        plain = self.group is None and self.clip is None and self.page is None and self.channel_bits is None
+        return plain and not self.turbo
 
     @property
     def spec(self) -> str:
@@ -105,7 +118,11 @@ class PathFormat:
             out += f"q{100 * self.clip:g}"
         if self.page is not None:
             out += f"p{self.page}"
-        return out
+        return out + ("t" if self.turbo else "")
+
+    def widths(self, dim: int) -> tuple[int, ...]:
+        """The width of each of ``dim`` channels (mixed widths, else ``bits`` everywhere)."""
+        return self.channel_bits if self.channel_bits is not None else (self.bits,) * dim
 
     def group_size(self, default: int) -> int:
         return self.group if self.group is not None else default
@@ -120,6 +137,8 @@ class PathFormat:
         g = self.group_size(group_size)
         if self.channel_bits is not None and len(self.channel_bits) != x.shape[-1]:
             raise ValueError(f"{len(self.channel_bits)} channel widths for a path of {x.shape[-1]} channels")
+        if self.turbo:
+            return quantize_turbo(x, self.widths(x.shape[-1])).dequantize(x.dtype)
         if self.page is not None:
             full = x.shape[-2] // self.page * self.page
             if full == 0:
@@ -143,6 +162,8 @@ class PathFormat:
             return dim * hp_bytes
         if self.kind == "fp8":
             return dim + (dim // FP8_TILE) * 4
+        if self.turbo:
+            return turbo_bytes_per_token(self.widths(dim))
         if self.page is not None:
             codes = packed_bytes(self.channel_bits) if self.channel_bits is not None else dim * self.bits / 8
             return codes + dim * 4 / self.page
@@ -186,7 +207,7 @@ def valid_scheme_names() -> list[str]:
     return ["bf16", "fp8", *ints]
 
 
-def _path(bits, runs, group, pct, page) -> PathFormat:
+def _path(bits, runs, group, pct, page, turbo) -> PathFormat:
     mixed = None
     if runs:
         mixed = tuple(int(b) for run in runs.split("-") for b, n in [run.split("x")] for _ in range(int(n)))
@@ -197,6 +218,7 @@ def _path(bits, runs, group, pct, page) -> PathFormat:
         clip=float(pct) / 100 if pct else None,
         page=int(page) if page else None,
         channel_bits=mixed,
+        turbo=bool(turbo),
     )
 
 
@@ -212,7 +234,7 @@ def parse_scheme(name: str | CacheScheme) -> CacheScheme:
     m = _INT_RE.match(key)
     if m:
         try:
-            content, rope = _path(*m.groups()[:5]), _path(*m.groups()[5:])
+            content, rope = _path(*m.groups()[:6]), _path(*m.groups()[6:])
         except ValueError as e:
             raise ValueError(f"unknown cache scheme {name!r} ({e}); {_VALID}") from None
         return CacheScheme(f"c{content.spec}r{rope.spec}", content, rope)
@@ -222,5 +244,5 @@ def parse_scheme(name: str | CacheScheme) -> CacheScheme:
 _VALID = (
     f"valid: bf16, fp8, or c<b>r<b> with content and RoPE bits in {QUANT_BITS} (e.g. c4r4, c2r4, c8r8), each "
     "optionally followed by g<group>, q<clip percentile> or p<page> (e.g. c2g128q94r4p128), or m<b>x<n>-... mixed "
-    "widths"
+    "widths; a trailing t stores a path with TQ-MSE (e.g. c4r3t, c4rm4x16-3x32-2x16t)"
 )
