@@ -98,7 +98,8 @@ def ppl(
         "--scheme",
         "-s",
         help="Cache scheme(s), comma-separated: bf16, fp8, c4r4, c2r4, c<b>r<b>, with per-path g<group>, "
-        "q<clip percentile>, p<page> or m<b>x<n>-... (e.g. c2g128q94r4p128) (default: the model's quantmla.json "
+        "q<clip percentile>, p<page> or m<b>x<n>-..., and t for TQ-MSE (e.g. c2g128q94r4p128, c4r3t) (default: the "
+        "model's quantmla.json "
         "scheme, else bf16).",
     ),
     seq_len: int = typer.Option(
