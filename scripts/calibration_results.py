@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--windows", choices=("both", "with", "without"), default="both",
                     help="evaluate with sink 4 + recent 128, without, or both")  # fmt: skip
     ap.add_argument("--model-steps", type=int, default=150, help="QuantMLA's model-level steps (0: layer stage only)")
+    ap.add_argument("--model-seq-len", type=int, default=None,
+                    help="tokens per sequence of QuantMLA's model-level stage (default: --seq-len)")  # fmt: skip
     ap.add_argument("--layer-stages", type=Path, default=None,
                     help="folder of QuantMLA layer stages: reused when there, saved when not")  # fmt: skip
     ap.add_argument("--layer-stage-only", action="store_true",
@@ -138,7 +140,7 @@ def main() -> None:
                 copy.deepcopy(base), tok, calib_text, progress=True, layer_stage=stage, scheme=scheme,
                 method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
                 seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
-                model_steps=0 if args.layer_stage_only else args.model_steps,
+                model_steps=0 if args.layer_stage_only else args.model_steps, model_seq_len=args.model_seq_len,
             )  # fmt: skip
             key = tag if method != "quantmla" else f"{tag}@{c_sink}+{c_recent}"
             times[key] = time.perf_counter() - t0

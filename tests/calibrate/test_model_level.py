@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quantmla import enable_latent_attention
-from quantmla.calibrate import calibrate_model
+from quantmla.calibrate import CalibrationConfig, calibrate_model
 from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, ModelLevelConfig, refine
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.eval.simulate import simulated_decode
@@ -117,3 +117,32 @@ def test_layer_stage_is_reused_and_checked():
     assert rep2.layer_stage is rep.layer_stage and rep2.model_level["recent"] == 8
     with pytest.raises(ValueError, match="different config"):
         calibrate_model(tiny_model("deepseek_v3"), None, ids, layer_stage=rep.layer_stage, **{**cfg, "steps": 3})
+
+
+def test_model_stage_at_a_longer_context_joins_consecutive_windows(monkeypatch):
+    from quantmla.calibrate import api
+
+    seen = []
+    original = api.refine
+
+    def spy(model, modules, starts, gains, pairs, train_w, val_w, *args, **kwargs):
+        seen.append((train_w.clone(), val_w.clone()))
+        return original(model, modules, starts, gains, pairs, train_w, val_w, *args, **kwargs)
+
+    monkeypatch.setattr(api, "refine", spy)
+    ids = torch.randint(3, 256, (6, 16))
+    cfg = dict(
+        scheme="c2r4", steps=1, num_seqs=4, val_seqs=2, seq_len=16, batch_size=2, sink=0, recent=0, progress=False
+    )
+    _, rep = calibrate_model(tiny_model("deepseek_v3"), None, ids, model_steps=1, model_seq_len=32, **cfg)
+    train, val = seen[0]
+    assert torch.equal(train, ids[:4].reshape(2, 32)) and torch.equal(val, ids[4:].reshape(1, 32))
+    # the layer stage is the one of the 16-token windows: it is reused by a run at the other model length
+    calibrate_model(tiny_model("deepseek_v3"), None, ids, model_steps=1, layer_stage=rep.layer_stage, **cfg)
+    assert torch.equal(seen[1][0], ids[:4])
+
+
+@pytest.mark.parametrize("bad", [24, 8, 48])
+def test_model_seq_len_must_join_whole_windows(bad):
+    with pytest.raises(ValueError, match="model_seq_len"):
+        CalibrationConfig(num_seqs=4, val_seqs=2, seq_len=16, model_seq_len=bad)

@@ -49,6 +49,9 @@ class CalibrationConfig:
     model_steps: int = 150  # quantmla's model-level stage (0: layer objectives only)
     model_lr: float = 1e-3
     model_objective: str = "kl"
+    #: tokens per sequence of the model-level stage (None: seq_len): consecutive calibration windows joined, so
+    #: the stage sees the cache at the context it will serve (the layer stage stays at seq_len)
+    model_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         s = parse_scheme(self.scheme)
@@ -69,10 +72,22 @@ class CalibrationConfig:
         ModelLevelConfig(self.model_steps, self.model_lr, self.batch_size, objective=self.model_objective)
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
+        if self.model_seq_len is not None:
+            m = self.model_seq_len
+            if (
+                m < self.seq_len
+                or m % self.seq_len
+                or (self.num_seqs * self.seq_len) % m
+                or (self.val_seqs * self.seq_len) % m
+            ):
+                raise ValueError(
+                    f"model_seq_len={m}: a multiple of seq_len={self.seq_len} that divides the {self.num_seqs} "
+                    f"calibration and {self.val_seqs} held-out sequences' tokens (e.g. {self.seq_len * 2})"
+                )
 
     def layer_key(self) -> tuple:
         """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
-        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective"}
+        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective", "model_seq_len"}
         return (("version", LAYER_STAGE_VERSION), *((k, v) for k, v in asdict(self).items() if k not in skip))
 
 
@@ -168,7 +183,10 @@ def calibrate_model(
         return model, report
     chosen = dict(layer_stage.chosen)
     if cfg.method == "quantmla" and cfg.model_steps > 0:
-        chosen, report.model_level = _model_stage(model, adapter, modules, train_w, val_w, cfg, layer_stage, progress)
+        long_train, long_val = (_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
+        chosen, report.model_level = _model_stage(
+            model, adapter, modules, long_train, long_val, cfg, layer_stage, progress
+        )
     for idx, attn in modules:
         if "content" in cfg.paths:
             fuse_content(adapter, attn, chosen[idx][0])
@@ -215,6 +233,11 @@ def _windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch.Tensor, to
         text = texts if isinstance(texts, str) else "\n\n".join(texts)
         windows = token_windows(tokenizer, text, cfg.seq_len, need)
     return windows[: cfg.num_seqs], windows[cfg.num_seqs :], hashlib.sha256(windows.numpy().tobytes()).hexdigest()
+
+
+def _joined(windows: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+    """Consecutive windows joined into sequences of ``seq_len`` tokens (``None``: as they are)."""
+    return windows if seq_len is None else windows.reshape(-1, seq_len)
 
 
 def _final_layer_errors(model, adapter, modules, val_w, cfg, rows) -> None:
@@ -331,6 +354,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
             "num_seqs": cfg.num_seqs,
             "val_seqs": cfg.val_seqs,
             "seq_len": cfg.seq_len,
+            "model_seq_len": cfg.model_seq_len or cfg.seq_len,
             "data_sha256": report.data_sha256,
             "seed": cfg.seed,
         },

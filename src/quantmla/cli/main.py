@@ -145,6 +145,12 @@ def calibrate(
     num_seqs: int = typer.Option(128, min=1, help="Calibration sequences."),
     val_seqs: int = typer.Option(32, min=1, help="Held-out sequences (best step)."),
     seq_len: int = typer.Option(512, min=2, help="Tokens per sequence."),
+    model_seq_len: int = typer.Option(
+        None,
+        min=2,
+        help="Tokens per sequence of the model-level stage: consecutive sequences joined (default: "
+        "--seq-len; e.g. 4096 to calibrate at the context you serve).",
+    ),  # fmt: skip
     batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
     sink: int = typer.Option(4, min=0, help="Sink tokens kept unquantised (recorded for decode)."),
     recent: int = typer.Option(128, min=0, help="Recent tokens kept unquantised (recorded for decode)."),
@@ -167,7 +173,7 @@ def calibrate(
     kwargs = dict(
         scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs, seq_len=seq_len,
         batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps, model_lr=model_lr,
-        model_objective=model_objective,
+        model_objective=model_objective, model_seq_len=model_seq_len,
     )  # fmt: skip
     with user_errors():  # everything but the calibration itself is checked before a weight is read
         dev = resolve_device(device)
