@@ -9,7 +9,7 @@ receives them, in the cache's channel layout, during ordinary forwards of the fu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,8 +25,8 @@ class _EnergyProbe:
     """Stands in for a module's attention: accumulates per-block energies, then attends unchanged."""
 
     pairs: torch.Tensor  # [P, 2] channels of each block, cache layout
-    q_sum: torch.Tensor = field(default=None)
-    k_sum: torch.Tensor = field(default=None)
+    q_sum: torch.Tensor | None = None
+    k_sum: torch.Tensor | None = None
     q_count: int = 0
     k_count: int = 0
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantmla.models.expanded import expand_latent, expanded_latent_attention, padded_sdpa
+from quantmla.models.expanded import expand_latent, expanded_latent_attention, pad_heads, padded_sdpa
 from quantmla.models.latent import module_states
 from quantmla.quant.scheme import CacheScheme, parse_scheme
 
@@ -97,24 +97,20 @@ class SimulatedDecodeCache:
         k_q, v_q = expand_latent(*self.quantize(latent, rope_key), w_uk, w_uv)
         q = torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1)
         d_v = v.shape[-1]
-        width = max(q.shape[-1], d_v)  # one head width for the fused kernels (zero padding changes nothing)
-        q, k, k_q = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, k_q))
-        v, v_q = (torch.nn.functional.pad(x, (0, width - d_v)) for x in (v, v_q))
-        dev = q.device
+        # one head width for the fused kernels, padded once here rather than per chunk (zeros change nothing)
+        q, k, k_q, v, v_q = pad_heads(max(q.shape[-1], d_v), q, k, k_q, v, v_q)
+        full = self.full_precision_mask(s, q.device)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         outs = []
         for i in range(0, s, QUERY_CHUNK):
-            e = min(
-                s, i + QUERY_CHUNK
-            )  # queries i..e-1 see keys 0..e-1 at most (decode is causal): the rest is skipped
-            t = torch.arange(i, e, device=dev)[:, None]
-            j = torch.arange(e, device=dev)[None, :]
-            hp = (j < self.sink) | (j > t - self.recent)
+            e = min(s, i + QUERY_CHUNK)  # queries i..e-1 see keys 0..e-1 at most (decode is causal)
+            hp, seen = full[i:e, :e], causal[i:e, :e]
             spans = self._unquantised_spans(i, e)
-            keys, values, allowed = [k_q[..., :e, :]], [v_q[..., :e, :]], [(j <= t) & ~hp]
+            keys, values, allowed = [k_q[..., :e, :]], [v_q[..., :e, :]], [seen & ~hp]
             for k0, k1 in spans:  # the same keys as computed, where decode reads them so
                 keys.append(k[..., k0:k1, :])
                 values.append(v[..., k0:k1, :])
-                allowed.append(hp[:, k0:k1] & (j[:, k0:k1] <= t))
+                allowed.append(hp[:, k0:k1] & seen[:, k0:k1])
             m = torch.cat(allowed, dim=-1)  # [chunk, keys]
             if mask is not None:
                 given = mask[..., i:e, :e]

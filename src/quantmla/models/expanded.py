@@ -42,14 +42,15 @@ def padded_sdpa(q, k, v, scale: float, mask: torch.Tensor | None, causal: bool) 
         causal = mask is None
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    width = max(d_qk, d_v)
-    if d_qk < width:
-        q, k = F.pad(q, (0, width - d_qk)), F.pad(k, (0, width - d_qk))
-    if d_v < width:
-        v = F.pad(v, (0, width - d_v))
+    d_v = v.shape[-1]
+    q, k, v = pad_heads(max(q.shape[-1], d_v), q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     return out[..., :d_v]
+
+
+def pad_heads(width: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor's last (head) dim zero-padded to ``width`` (unchanged where it is that wide already)."""
+    return tuple(x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in tensors)
 
 
 def expanded_latent_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale: float,

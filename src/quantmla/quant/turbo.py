@@ -63,28 +63,27 @@ def lloyd_max_gaussian(bits: int) -> tuple[float, ...]:
     return tuple(centroids.tolist())
 
 
+@functools.lru_cache(maxsize=128)
 def codebook(bits: int, dim: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """Centroids of ``N(0, 1/dim)`` at ``bits`` bits: the Gaussian codebook scaled by ``1/sqrt(dim)``."""
+    """Centroids of ``N(0, 1/dim)`` at ``bits`` bits: the Gaussian codebook scaled by ``1/sqrt(dim)`` (built
+    once per device and dtype; read-only)."""
     return torch.tensor(lloyd_max_gaussian(bits), dtype=torch.float64).div(math.sqrt(dim)).to(device, dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _haar(dim: int, bits: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=128)
+def rotation(dim: int, bits: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """The fixed Haar-random orthogonal ``[dim, dim]`` of a group of ``dim`` channels at ``bits`` bits (drawn
+    in float64 on the CPU, then built once per device and dtype; read-only)."""
     g = torch.Generator().manual_seed(0x7B50 + 1009 * dim + bits)
     q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))
+    return (q * torch.sign(torch.diagonal(r))).to(device, dtype)
 
 
-def rotation(dim: int, bits: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The fixed Haar-random orthogonal ``[dim, dim]`` of a group of ``dim`` channels at ``bits`` bits."""
-    return _haar(dim, bits).to(device, dtype)
-
-
-def width_groups(channel_bits: tuple[int, ...]) -> list[tuple[int, torch.Tensor]]:
-    """``(width, channel indices)`` of each group of equal nonzero width, widths ascending."""
-    widths = sorted({b for b in channel_bits if b})
+@functools.lru_cache(maxsize=128)
+def width_groups(channel_bits: tuple[int, ...]) -> tuple[tuple[int, torch.Tensor], ...]:
+    """``(width, channel indices)`` of each group of equal nonzero width, widths ascending (read-only)."""
     t = torch.tensor(channel_bits)
-    return [(b, torch.nonzero(t == b).flatten()) for b in widths]
+    return tuple((b, torch.nonzero(t == b).flatten()) for b in sorted({b for b in channel_bits if b}))
 
 
 @dataclass(frozen=True)
