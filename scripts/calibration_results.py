@@ -3,6 +3,7 @@
 python scripts/calibration_results.py --out out/calib            # paper recipe, everything, one process
 python scripts/calibration_results.py --out out/p1 --runs bf16,rtn/c4r4  # a subset (run parts side by side)
 python scripts/calibration_results.py --out out/calib --merge out/p1 out/p2 ...  # one table and plot
+python scripts/calibration_results.py --out out/r --runs raq/c2g128q94r4p128,blockgtq/c4r4t  # any METHOD/SCHEME
 
 QuantMLA's layer stage split over processes (layers are independent), then the runs that reuse it:
 python scripts/calibration_results.py --out out/s0 --runs quantmla/c4r4 --layer-stages out/stages \
@@ -68,9 +69,9 @@ def main() -> None:
     if args.merge:
         return merge(args.merge, args.out)
     wanted = args.runs.split(",")
-    bad = [r for r in wanted if r not in ALL_RUNS]
+    bad = [r for r in wanted if r not in ALL_RUNS and not _method_scheme(r)]
     if bad:
-        raise SystemExit(f"--runs: unknown {bad}; valid: {', '.join(ALL_RUNS)}")
+        raise SystemExit(f"--runs: unknown {bad}; valid: {', '.join(ALL_RUNS)}, or any METHOD/SCHEME")
     base, tok = quantmla.load(device=args.device, dtype=DTYPES[args.dtype])
     quantmla.enable_latent_attention(base)
     calib_text, test_text = builtin_text("validation"), builtin_text("test")
@@ -159,7 +160,7 @@ def main() -> None:
                     "method": tag,
                     "scheme": scheme,
                     "windows": f"{sink}+{recent}",
-                    **evaluate(model, scheme, sink, recent),
+                    **evaluate(model, scheme if rep.codec is None else rep.codec, sink, recent),
                 }
                 row["model_level"] = rep.model_level
                 results.append(row)
@@ -167,6 +168,16 @@ def main() -> None:
             dump()  # after every run, so a run cut short keeps what it finished
     if not args.layer_stage_only:
         plot(layers, args.out / "layer_errors.png")
+
+
+def _method_scheme(tag: str) -> bool:
+    """Whether ``tag`` is ``METHOD/SCHEME`` with a calibration method and a scheme it calibrates."""
+    method, _, scheme = tag.partition("/")
+    try:
+        CalibrationConfig(scheme=scheme, method=method)
+    except ValueError:
+        return False
+    return True
 
 
 def load_stage(stage_file: Path) -> LayerStage | None:

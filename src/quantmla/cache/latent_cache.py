@@ -32,12 +32,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from quantmla.cache.paged_store import PagedPathStore
-from quantmla.cache.store import PathStore
+from quantmla.cache.store import PathStore, TransformedStore
 from quantmla.models import families  # noqa: F401  (registers the adapters)
 from quantmla.models.adapter import MLADims, get_adapter
 from quantmla.quant.affine import check_finite, check_group, check_quantizable
+from quantmla.quant.codec import LayerCodec, PathCodec, model_codec
 from quantmla.quant.fp8 import FP8_TILE
-from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme
+from quantmla.quant.scheme import CacheScheme, PathFormat
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,16 @@ class LatentCacheConfig:
     page_size: int = 64
     hp_dtype: torch.dtype | None = None
     validate: bool = False
+    #: what a calibration method fitted for this layer (write-side transforms, learned ranges); its scheme is
+    #: ``scheme``. ``None``: the plain scheme
+    codec: LayerCodec | None = None
 
     def __post_init__(self) -> None:
+        if self.codec is not None:
+            if self.codec.scheme.name != self.scheme.name:
+                raise ValueError(f"codec of scheme {self.codec.scheme.name!r} in a cache layer of {self.scheme.name!r}")
+            self.codec.content.check(self.kv_lora_rank, self.group_size)
+            self.codec.rope.check(self.rope_dim, self.group_size)
         if not isinstance(self.validate, bool):
             raise ValueError(f"validate={self.validate!r} must be True or False")
         for name in ("sink", "recent"):
@@ -156,13 +165,17 @@ class QuantizedLatentLayer(DynamicLayer):
     def _init_mid(self, batch: int) -> None:
         cfg = self.cfg
 
-        def store(fmt: PathFormat, dim: int) -> PathStore | PagedPathStore:
+        def store(fmt: PathFormat, dim: int, path: PathCodec | None):
             if fmt.page is not None:  # per channel within pages of fmt.page tokens
-                return PagedPathStore(fmt, dim, batch, self.hp_dtype, self.device, cfg.page_size)
-            return PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size)
+                inner = PagedPathStore(fmt, dim, batch, self.hp_dtype, self.device, cfg.page_size)
+            else:
+                ranges = None if path is None or path.clip_ratio is None else (path.clip_ratio, path.gain)
+                inner = PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size, ranges)
+            return inner if path is None or path.transform is None else TransformedStore(inner, path)
 
-        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank)
-        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim)
+        codec = cfg.codec
+        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank, None if codec is None else codec.content)
+        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim, None if codec is None else codec.rope)
 
     def _append_mid(self, c: torch.Tensor, r: torch.Tensor) -> None:
         """Quantise and store tokens leaving the recent window (checked in ``update`` already)."""
@@ -306,22 +319,37 @@ class QuantizedLatentCache(Cache):
         self.backend = backend
         adapter = get_adapter(config)
         dims: MLADims = adapter.dims(config)
-        self.cache_config = LatentCacheConfig(
-            scheme=parse_scheme(scheme),
-            kv_lora_rank=dims.kv_lora_rank,
-            rope_dim=dims.rope_dim,
-            group_size=group_size,
-            sink=sink,
-            recent=recent,
-            page_size=page_size,
-            hp_dtype=hp_dtype,
-            validate=validate,
-        )
+        n_layers = adapter.num_cache_layers(config)
+        self.codec = model_codec(scheme, n_layers)
+        plain = self.codec.plain
+
+        def layer_config(lc: LayerCodec) -> LatentCacheConfig:
+            return LatentCacheConfig(
+                scheme=lc.scheme,
+                kv_lora_rank=dims.kv_lora_rank,
+                rope_dim=dims.rope_dim,
+                group_size=group_size,
+                sink=sink,
+                recent=recent,
+                page_size=page_size,
+                hp_dtype=hp_dtype,
+                validate=validate,
+                codec=lc if lc.fitted else None,
+            )
+
+        #: one config per layer (a per-layer codec: each layer its format and fitted parameters)
+        self.layer_configs = [layer_config(lc) for lc in self.codec.layers]
+        self.cache_config = self.layer_configs[0]
         if backend == "triton":
             from quantmla.cache.kernel_layer import kernel_layout
 
+            if plain is None:
+                raise ValueError(
+                    f"backend='triton': codec {self.codec.name!r} has per-layer formats or fitted parameters, which "
+                    "only the torch path holds; use backend='torch' or 'auto'"
+                )
             kernel_layout(self.cache_config)  # fail now, with the reason, if the kernel cannot serve it
-        layers = [QuantizedLatentLayer(self.cache_config, i) for i in range(adapter.num_cache_layers(config))]
+        layers = [QuantizedLatentLayer(c, i) for i, c in enumerate(self.layer_configs)]
         super().__init__(layers=layers)
         self._reasons: list[str | None] = [None] * len(layers)
         self._logged: set[str] = set()
@@ -352,6 +380,9 @@ class QuantizedLatentCache(Cache):
             return "torch", f"torch path: activations in {where.split(', ')[1]} (the kernel needs bfloat16)"
         from quantmla.cache.kernel_layer import supports_kernel
 
+        if self.codec.plain is None:
+            why = f"codec {self.codec.name!r} has per-layer formats or fitted parameters"
+            return "torch", f"torch path: {why} ({where})"
         ok, why = supports_kernel(self.cache_config)
         if not ok:
             return "torch", f"torch path: no kernel layout for this cache ({why})"
@@ -384,7 +415,11 @@ class QuantizedLatentCache(Cache):
 
     @property
     def scheme(self) -> CacheScheme:
-        return self.cache_config.scheme
+        """The scheme of every layer; a codec with per-layer formats or fitted parameters has none (see ``codec``)."""
+        plain = self.codec.plain
+        if plain is None:
+            raise ValueError(f"codec {self.codec.name!r} has per-layer formats or fitted parameters: see cache.codec")
+        return plain
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -395,13 +430,13 @@ class QuantizedLatentCache(Cache):
             self._reasons[layer_idx] = reason
             if reason not in self._logged:  # once per cache (again only if a layer decides otherwise)
                 self._logged.add(reason)
-                logger.info("quantmla cache %s: %s", self.scheme.name, reason)
+                logger.info("quantmla cache %s: %s", self.codec.name, reason)
             if backend == "triton":
                 from quantmla.cache.kernel_layer import KernelLatentLayer as cls
             else:
                 cls = QuantizedLatentLayer
             if type(layer) is not cls:
-                layer = self.layers[layer_idx] = cls(self.cache_config, layer_idx)
+                layer = self.layers[layer_idx] = cls(self.layer_configs[layer_idx], layer_idx)
         return layer.update(key_states, value_states)
 
     def nbytes(self) -> int:

@@ -12,9 +12,11 @@ import torch
 
 from quantmla.quant.affine import dequantize_groups, quantize_groups
 from quantmla.quant.clip import quantize_clipped
+from quantmla.quant.codec import PathCodec
 from quantmla.quant.fp8 import FP8_TILE, dequantize_fp8, quantize_fp8
 from quantmla.quant.mixed import dequantize_mixed, pack_mixed, packed_bytes, quantize_mixed, unpack_mixed
 from quantmla.quant.packing import pack_codes, unpack_codes
+from quantmla.quant.ranged import check_ranges, quantize_ranged
 from quantmla.quant.scheme import PathFormat
 from quantmla.quant.turbo import dequantize_turbo, quantize_turbo, width_groups
 
@@ -29,9 +31,16 @@ class PathStore:
         hp_dtype: torch.dtype,
         device: torch.device,
         page_size: int = 64,
+        ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``ranges``: learned threshold ratios and gains per group (:mod:`~quantmla.quant.ranged`), used when
+        a token is written; the storage is the plain affine format's."""
         if fmt.page is not None:
             raise ValueError(f"the per-channel-in-page format {fmt.spec!r} is held by PagedPathStore")
+        if ranges is not None:
+            PathCodec(fmt, clip_ratio=ranges[0], gain=ranges[1])  # the format takes learned ranges
+            check_ranges(*ranges, dim // fmt.group_size(group_size))
+        self.ranges = ranges
         if fmt.channel_bits is not None and len(fmt.channel_bits) != dim:
             raise ValueError(f"{len(fmt.channel_bits)} channel widths for a path of {dim} channels")
         group_size = fmt.group_size(group_size)  # the path's own group, if it has one
@@ -81,7 +90,9 @@ class PathStore:
         if self.fmt.channel_bits is not None:
             m = quantize_mixed(x, self.fmt.channel_bits, self.group_size, check=check)
             return {"codes": pack_mixed(m.codes, m.bits), "minimum": m.minimum, "span": m.span}
-        if self.fmt.clip is not None:
+        if self.ranges is not None:
+            q = quantize_ranged(x, self.fmt.bits, self.group_size, *self.ranges, check=check)
+        elif self.fmt.clip is not None:
             q = quantize_clipped(x, self.fmt.bits, self.group_size, self.fmt.clip, check=check)
         else:
             q = quantize_groups(x, self.fmt.bits, self.group_size, check=check)
@@ -130,3 +141,34 @@ class PathStore:
         """Apply ``fn`` (e.g. an ``index_select`` on dim 0) to every stored tensor."""
         self.tensors = {k: fn(v) for k, v in self.tensors.items()}
         self.batch = next(iter(self.tensors.values())).shape[0]
+
+
+class TransformedStore:
+    """A store of the path in its write-side transform's space (:class:`~quantmla.quant.codec.PathCodec`):
+    tokens are appended as ``x A`` and read back as ``Q(x A) A^-1`` (the torch path dequantises and maps
+    back; a kernel would instead read with ``A^-1`` fused into the weights and the query). Same interface."""
+
+    def __init__(self, inner, path: PathCodec) -> None:
+        if path.transform is None:
+            raise ValueError("TransformedStore needs a path codec with a write-side transform")
+        self.inner, self.path = inner, path
+
+    @property
+    def length(self) -> int:
+        return self.inner.length
+
+    @property
+    def batch(self) -> int:
+        return self.inner.batch
+
+    def append(self, x: torch.Tensor, check: bool = True) -> None:
+        self.inner.append(self.path.forward(x.to(torch.promote_types(x.dtype, torch.float32))), check)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.path.backward(self.inner.dequantize(torch.promote_types(dtype, torch.float32))).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def map_batch(self, fn) -> None:
+        self.inner.map_batch(fn)

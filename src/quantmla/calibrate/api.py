@@ -20,9 +20,11 @@ from quantmla.calibrate.methods import (
 )
 from quantmla.calibrate.model_level import ModelLevelConfig, refine
 from quantmla.calibrate.objectives import collect, content_loss, latent_gain, rope_loss
-from quantmla.export_format import META_FORMAT, METHODS, write_meta
+from quantmla.calibrate.related import CODEC_METHODS, check_codec_scheme, fit_codec
+from quantmla.export_format import META_FORMAT, METHODS, write_codec, write_meta
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import disable_latent_attention, enable_latent_attention, is_latent_attention_enabled
+from quantmla.quant.codec import ModelCodec
 from quantmla.quant.scheme import parse_scheme
 from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope, original_basis
 
@@ -57,11 +59,14 @@ class CalibrationConfig:
         s = parse_scheme(self.scheme)
         if not s.quantized:
             raise ValueError(f"scheme={self.scheme!r} does not quantise: nothing to calibrate")
-        if s.content.page is not None or s.rope.page is not None:
-            raise ValueError(f"scheme={self.scheme!r}: calibration does not handle per-channel-in-page formats yet;"
-                             " valid: per-token formats (c<b>r<b>, with g<n>, q<pct> or m...)")  # fmt: skip
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; valid: {', '.join(METHODS)}")
+        paged = s.content.page is not None or s.rope.page is not None
+        if paged and self.method not in ("rtn", *CODEC_METHODS):
+            raise ValueError(f"scheme={self.scheme!r}: method {self.method} does not handle per-channel-in-page "
+                             f"formats; valid: rtn, {', '.join(CODEC_METHODS)}, or per-token formats")  # fmt: skip
+        if self.method in CODEC_METHODS:
+            check_codec_scheme(self.method, self.scheme)
         bad = [p for p in self.paths if p not in PATHS]
         if bad:
             raise ValueError(f"paths {bad}; valid: {PATHS}")
@@ -137,6 +142,8 @@ class CalibrationReport:
     data_sha256: str
     layers: list[dict] = field(default_factory=list)  # per layer: content / rope val errors before, after
     model_level: dict | None = None  # quantmla's model-level stage: held-out KL per start, after, history
+    #: a codec method's result (raq, blockgtq): per-layer formats and fitted write-side parameters
+    codec: ModelCodec | None = field(default=None, repr=False)
     layer_stage: LayerStage | None = field(default=None, repr=False)  # reusable by calibrate(layer_stage=)
 
     def to_dict(self) -> dict:
@@ -170,6 +177,13 @@ def calibrate_model(
         enable_latent_attention(model)
     adapter = get_adapter(model)
     modules = list(adapter.attention_modules(model))
+    if cfg.method in CODEC_METHODS:
+        if layer_stage is not None:
+            raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
+        report.codec, report.layers = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress)
+        logger.info("method %s: the weights are left untouched; the result is the cache codec %r", cfg.method,
+                    report.codec.name)  # fmt: skip
+        return model, report
     if layer_stage is None:
         layer_stage = _layer_stage(model, adapter, modules, train_w, val_w, cfg, report.data_sha256, progress)
     elif layer_stage.key != cfg.layer_key() or layer_stage.data_sha256 != report.data_sha256:
@@ -368,5 +382,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         if report.model_level is None
         else {**report.model_level, "steps": cfg.model_steps, "lr": cfg.model_lr},
     }
+    if report.codec is not None:
+        meta["layer_schemes"] = write_codec(out, report.codec)[1]
     write_meta(out, meta)
     return out

@@ -18,6 +18,9 @@ from quantmla.eval.simulate import installed
 from quantmla.models.adapter import get_adapter
 from quantmla.models.expanded import expanded_latent_attention
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled, module_states
+from quantmla.quant.allocate import greedy_allocation
+from quantmla.quant.mixed import pair_channel_bits
+from quantmla.quant.scheme import PathFormat
 
 
 @dataclass(eq=False)
@@ -64,3 +67,14 @@ def rope_block_scores(model: nn.Module, windows: torch.Tensor, batch_size: int =
         for start in range(0, windows.shape[0], batch_size):
             model(windows[start : start + batch_size].to(device), use_cache=False)
     return {idx: probe.scores(keys_only) for (idx, _), probe in zip(modules, probes, strict=True)}
+
+
+def allocated_formats(scores: dict[int, torch.Tensor], pairs: torch.Tensor, mean_bits: int, min_bits: int = 1,
+                      max_bits: int = 6) -> dict[int, PathFormat]:  # fmt: skip
+    """Block-GTQ's RoPE format per layer: widths per block by greedy marginal gain under ``mean_bits`` a block on
+    average (:func:`~quantmla.quant.allocate.greedy_allocation`), stored in TQ-MSE per group of equal width."""
+    out = {}
+    for idx, s in scores.items():
+        widths = greedy_allocation(s, mean_bits * pairs.shape[0], min_bits, max_bits)
+        out[idx] = PathFormat("int", channel_bits=pair_channel_bits(widths, pairs.tolist()), turbo=True)
+    return out

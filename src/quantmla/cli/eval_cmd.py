@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,9 @@ from rich.table import Table
 
 from quantmla.cli.errors import user_errors
 from quantmla.models.loading import DEFAULT_MODEL
+from quantmla.quant.codec import scheme_name
 
+logger = logging.getLogger(__name__)
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
 
 DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,16 +33,18 @@ class CacheSettings:
     """The cache an eval command runs: its options where given, else the model's ``quantmla.json`` (an
     export's), else quantmla's defaults (bf16, sink 4, recent 128, groups of 64)."""
 
-    schemes: tuple[str, ...]
+    schemes: tuple  # scheme names, or an export's per-layer codec (quantmla.quant.codec.ModelCodec)
     sink: int
     recent: int
     group_size: int
 
 
 def cache_settings(meta: dict | None, scheme: str | None, sink: int | None, recent: int | None,
-                   group_size: int | None, no_sink_recent: bool = False) -> CacheSettings:  # fmt: skip
+                   group_size: int | None, no_sink_recent: bool = False, codec=None) -> CacheSettings:  # fmt: skip
     """:class:`CacheSettings` from the command's options and the model's metadata; a ``ValueError`` naming the
-    bad value for a scheme list that names no scheme or an unknown scheme."""
+    bad value for a scheme list that names no scheme or an unknown scheme. ``codec``: the export's per-layer
+    codec (:func:`quantmla.export_format.read_codec`), run wherever the export's scheme is (by default, or named
+    in ``scheme``); another scheme runs plain, without the fitted parameters (logged)."""
     from quantmla.quant.scheme import parse_scheme
 
     meta = meta or {}
@@ -47,6 +52,12 @@ def cache_settings(meta: dict | None, scheme: str | None, sink: int | None, rece
     names = tuple(parse_scheme(s.strip()).name for s in text.split(",") if s.strip())
     if not names:
         raise ValueError(f"--scheme {scheme!r} names no scheme; valid: bf16, fp8, c<b>r<b> (e.g. c4r4)")
+    if codec is not None:
+        own = parse_scheme(meta["scheme"]).name
+        for n in names:
+            if n != own:
+                logger.info("scheme %s runs plain: the export's fitted codec (%s) is for %s", n, codec.name, own)
+        names = tuple(codec if n == own else n for n in names)
     sink = meta.get("sink", 4) if sink is None else sink
     recent = meta.get("recent", 128) if recent is None else recent
     if no_sink_recent:
@@ -132,7 +143,7 @@ def ppl(
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        cs = cache_settings(src.meta, scheme, sink, recent, group_size, no_sink_recent)
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size, no_sink_recent, src.codec)
         if all_windows and num_seqs is not None:
             raise ValueError("give either --all or --num-seqs, not both")
         limit = getattr(src.config, "max_position_embeddings", None) or MAX_DEFAULT_SEQ_LEN
@@ -206,8 +217,8 @@ def niah(
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        cs = cache_settings(src.meta, scheme, sink, recent, group_size)
-        names = list(cs.schemes)
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size, codec=src.codec)
+        names = [scheme_name(s) for s in cs.schemes]
         cfg = NiahConfig(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), lengths=_ints(lengths, "lengths"),
             depths=_ints(depths, "depths"), num_examples=num_examples, seed=seed, group_size=cs.group_size,
@@ -218,7 +229,7 @@ def niah(
             raise ValueError(f"--lengths up to {max(cfg.lengths)} exceed the model's max_position_embeddings={limit}")
         body = load_text(text, None, "test", "text")
         m, tok = load(src, dtype=torch_dtype, device=dev)
-        rows = run_niah(m, tok, body, names, cfg, progress=not as_json)
+        rows = run_niah(m, tok, body, list(cs.schemes), cfg, progress=not as_json)
     result = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "config": cfg.__dict__,
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
@@ -278,7 +289,7 @@ def lm_eval_cmd(
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
-        cs = cache_settings(src.meta, scheme, sink, recent, group_size)
+        cs = cache_settings(src.meta, scheme, sink, recent, group_size, codec=src.codec)
         task_names = [t.strip() for t in tasks.split(",") if t.strip()]
         if not task_names:
             raise ValueError(f"--tasks {tasks!r} names no task")
@@ -292,10 +303,11 @@ def lm_eval_cmd(
         for c in caches:
             lm = lm_eval_model(m, tok, c, batch_size=batch_size)
             lim = None if limit is None else (int(limit) if limit >= 1 else limit)
-            runs[c.scheme] = run_lm_eval(lm, task_names, str(include_path) if include_path else None, lim,
+            runs[scheme_name(c.scheme)] = run_lm_eval(lm, task_names, str(include_path) if include_path else None, lim,
                                          num_fewshot, seed)  # fmt: skip
+    caches_json = [c.__dict__ | {"scheme": scheme_name(c.scheme)} for c in caches]
     out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "limit": limit,
-           "caches": [c.__dict__ for c in caches], "runs": runs}  # fmt: skip
+           "caches": caches_json, "runs": runs}  # fmt: skip
     if as_json:
         typer.echo(json.dumps(out, indent=2, default=str))
         return

@@ -135,7 +135,11 @@ def calibrate(
     model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
     out: Path = typer.Option(..., "--out", help="Directory for the fused model and quantmla.json."),
     scheme: str = typer.Option("c4r4", help="Cache scheme to calibrate for (c4r4, c2r4, ...)."),
-    method: str = typer.Option("quantmla", help="quantmla, rtn, smoothquant or quarot."),
+    method: str = typer.Option(
+        "quantmla",
+        help="quantmla, rtn, smoothquant, quarot, or a seed paper's method: raq (RAQ-MLA's write-side transforms, "
+        "e.g. with --scheme c2g128q94r4p128), blockgtq (Block-GTQ's RoPE widths per layer, e.g. --scheme c4r3t).",
+    ),
     steps: int = typer.Option(300, min=0, help="Learning steps per path and layer (quantmla)."),
     model_steps: int = typer.Option(
         150, min=0, help="QuantMLA's model-level steps: all layers jointly against the model's output (0: skip)."
@@ -191,12 +195,7 @@ def calibrate(
     for col in ("layer", "content", "RoPE"):
         t.add_column(col, justify="right")
     for row in report.layers:
-        c, r = row["content"], row["rope"]
-        t.add_row(
-            str(row["layer"]),
-            f"{c['val_before']:.4f} -> {c['val_after']:.4f}",
-            f"{r['val_before']:.5f} -> {r['val_after']:.5f}",
-        )
+        t.add_row(str(row["layer"]), *(_layer_cell(row.get(path, {})) for path in ("content", "rope")))
     Console().print(t)
     ml = report.model_level
     if ml is not None:
@@ -205,7 +204,16 @@ def calibrate(
             + ", ".join(f"{k} {v:.3e}" for k, v in ml["start_val"].items())
             + f"; start {ml['init']} -> {ml['val_after']:.3e} at step {ml['best_step']}"
         )
+    if report.codec is not None:
+        Console().print(f"{method}: weights unchanged; the per-layer cache codec is {out}/quantmla_codec.safetensors")
     Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
+
+
+def _layer_cell(path_row: dict) -> str:
+    """One path of a layer's report row: held-out error before -> after, or the format it was given."""
+    if "val_after" in path_row:
+        return f"{path_row['val_before']:.4g} -> {path_row['val_after']:.4g}"
+    return path_row.get("format", "-")
 
 
 if __name__ == "__main__":

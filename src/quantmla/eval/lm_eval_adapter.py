@@ -17,20 +17,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantmla.quant.scheme import parse_scheme
+from quantmla.quant.codec import ModelCodec, scheme_name
 
 
 @dataclass(frozen=True)
 class LmEvalCache:
     """The cache lm-eval's requests see."""
 
-    scheme: str = "bf16"
+    scheme: str | ModelCodec = "bf16"  # a scheme name, or a calibrated model's per-layer codec
     group_size: int = 64
     sink: int = 4
     recent: int = 128
 
     def __post_init__(self) -> None:
-        parse_scheme(self.scheme)
+        scheme_name(self.scheme)  # a ValueError naming the valid schemes
         if self.group_size < 1:
             raise ValueError(f"group_size={self.group_size} must be >= 1")
         if self.sink < 0 or self.recent < 0:

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from quantmla.quant.codec import ModelCodec, scheme_name
+
 TASKS = ("niah-1", "niah-2", "niah-3", "niah-mk")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KEYS = ("amber-falcon", "silent-river", "copper-moth", "north-gate", "blue-lantern", "iron-orchid", "quiet-harbor",
@@ -133,7 +135,7 @@ def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
 
 
 @torch.no_grad()
-def answer(model, prompt: torch.Tensor, scheme: str, cfg: NiahConfig, value_tokens: int = 0) -> list[int]:
+def answer(model, prompt: torch.Tensor, scheme: str | ModelCodec, cfg: NiahConfig, value_tokens: int = 0) -> list[int]:
     """``value_tokens + cfg.new_tokens`` greedy answer tokens of ``prompt [1, T]`` through the cache as decode
     sees it."""
     from quantmla.cache import QuantizedLatentCache
@@ -171,7 +173,7 @@ class NiahRow:
 
 
 def run_niah(
-    model, tokenizer, corpus: str, schemes: list[str], cfg: NiahConfig, progress: bool = True
+    model, tokenizer, corpus: str, schemes: list[str | ModelCodec], cfg: NiahConfig, progress: bool = True
 ) -> list[NiahRow]:
     """Every example under every scheme; one row each. Latent attention is enabled on ``model`` (in place), so
     on CUDA in BF16 the answers decode through the fused kernel, as a deployment would (:func:`answer`)."""
@@ -183,7 +185,9 @@ def run_niah(
             for ex in exs:
                 ids = torch.tensor([ex.prompt_ids], device=dev)
                 text = tokenizer.decode(answer(model, ids, scheme, cfg, ex.value_tokens))
-                rows.append(NiahRow(scheme, ex.task, ex.length, ex.depth, ex.index, ex.value, text, ex.value in text))
+                row = NiahRow(scheme_name(scheme), ex.task, ex.length, ex.depth, ex.index, ex.value, text,
+                              ex.value in text)  # fmt: skip
+                rows.append(row)
                 bar.update()
     return rows
 

@@ -15,6 +15,7 @@ from quantmla.models.adapter import get_adapter
 from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
 from quantmla.models.loading import dtype_name
+from quantmla.quant.codec import ModelCodec, is_quantized, model_codec, scheme_name
 from quantmla.quant.scheme import parse_scheme
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PerplexityConfig:
-    scheme: str = "bf16"
+    scheme: str | ModelCodec = "bf16"  # a scheme name, or a calibrated model's per-layer codec
     seq_len: int = 512
     num_seqs: int | None = None  # None: every full window of the text
     spread: bool = False  # num_seqs windows evenly spaced over the text (False: the first num_seqs)
@@ -34,7 +35,7 @@ class PerplexityConfig:
     per_window: bool = False  # also each window's summed NLL (for paired comparisons between models)
 
     def __post_init__(self) -> None:
-        parse_scheme(self.scheme)
+        scheme_name(self.scheme)  # a ValueError naming the valid schemes
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} must be >= 2")
         if self.num_seqs is not None and self.num_seqs < 1:
@@ -49,7 +50,7 @@ class PerplexityConfig:
 
 @dataclass(frozen=True)
 class PerplexityResult:
-    scheme: str
+    scheme: str  # the scheme's name, or the codec's (method and scheme)
     ppl: float
     nll: float
     tokens: int
@@ -86,7 +87,7 @@ class PerplexityResult:
 def scheme_label(scheme: str, dtype: str) -> str:
     """``scheme`` as it ran in a model of ``dtype``: the unquantised scheme ``bf16`` holds the latent in the
     model's dtype, so under float32 it is labelled ``unquantised (float32)``; other schemes keep their name."""
-    if parse_scheme(scheme.split("+")[0]).quantized or dtype == "bfloat16":
+    if parse_scheme(scheme.split()[-1].split("+")[0]).quantized or dtype == "bfloat16":
         return scheme
     return f"unquantised ({dtype})"
 
@@ -137,17 +138,33 @@ def bootstrap_ppl(window_nll: list[float], tokens_per_window: int, resamples: in
     return lo, hi
 
 
-def stored_bits_per_element(cache: LatentCacheConfig) -> float:
-    """Bits per cached element of ``cache``'s stored format, metadata included (the windows not counted)."""
-    return cache.scheme.bits_per_element(cache.kv_lora_rank, cache.rope_dim, cache.group_size)
+def stored_bits_per_element(model_config, cfg: PerplexityConfig) -> float:
+    """Bits per cached element of the stored format ``cfg`` describes, metadata included (the windows not
+    counted; a per-layer codec: the mean over layers)."""
+    adapter = get_adapter(model_config)
+    dims = adapter.dims(model_config)
+    codec = model_codec(cfg.scheme, adapter.num_cache_layers(model_config))
+    return codec.bits_per_element(dims.kv_lora_rank, dims.rope_dim, cfg.group_size)
 
 
-def cache_config(model_config, cfg: PerplexityConfig) -> LatentCacheConfig:
-    """The cache ``cfg`` describes for a model of ``model_config``; a ``ValueError`` (e.g. a group size that
-    does not divide the latent) before any forward. Needs the config only, not the weights."""
-    dims = get_adapter(model_config).dims(model_config)
-    return LatentCacheConfig(parse_scheme(cfg.scheme), dims.kv_lora_rank, dims.rope_dim, cfg.group_size,
-                             cfg.sink, cfg.recent)  # fmt: skip
+def cache_config(model_config, cfg: PerplexityConfig) -> list[LatentCacheConfig]:
+    """The cache ``cfg`` describes for a model of ``model_config``, one config per layer; a ``ValueError`` (e.g. a
+    group size that does not divide the latent) before any forward. Needs the config only, not the weights."""
+    adapter = get_adapter(model_config)
+    dims = adapter.dims(model_config)
+    codec = model_codec(cfg.scheme, adapter.num_cache_layers(model_config))
+    return [
+        LatentCacheConfig(
+            lc.scheme,
+            dims.kv_lora_rank,
+            dims.rope_dim,
+            cfg.group_size,
+            cfg.sink,
+            cfg.recent,
+            codec=lc if lc.fitted else None,
+        )  # fmt: skip
+        for lc in codec.layers
+    ]
 
 
 def _next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -163,14 +180,17 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def cache_bytes_per_token(model, window: torch.Tensor, scheme: str, cfg: PerplexityConfig) -> tuple[float, str]:
+def cache_bytes_per_token(
+    model, window: torch.Tensor, scheme: str | ModelCodec, cfg: PerplexityConfig
+) -> tuple[float, str]:
     """Prefill ``window [1, T]`` through a real :class:`QuantizedLatentCache` and read its allocated storage:
     ``(bytes per token and layer, backends that held it)``. The storage holds the model's own latents."""
     cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=cfg.group_size, sink=cfg.sink,
                                  recent=cfg.recent)  # fmt: skip
     model(window, use_cache=True, **cache_kwargs(cache))
     backends = ",".join(sorted(set(cache.backends_used())))
-    logger.info("bytes/token of %s: %s cache storage after the model's prefill of %d tokens", scheme, backends,
+    logger.info("bytes/token of %s: %s cache storage after the model's prefill of %d tokens", scheme_name(scheme),
+                backends,
                 window.shape[1])  # fmt: skip
     return cache.bytes_per_token(), backends
 
@@ -190,7 +210,7 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
     device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []
     batches = range(0, len(windows), cfg.batch_size)
-    for start in tqdm(batches, desc=f"ppl {cfg.scheme}", disable=not progress, unit="batch"):
+    for start in tqdm(batches, desc=f"ppl {scheme_name(cfg.scheme)}", disable=not progress, unit="batch"):
         x = windows[start : start + cfg.batch_size].to(device)
         with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
             logits = _at_least_float32(model(x, use_cache=False).logits)
@@ -207,9 +227,9 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
     nll = total / count
     first = windows[:1].to(device)
     bpt, backend = cache_bytes_per_token(model, first, cfg.scheme, cfg)
-    ref_bpt = bpt if not parse_scheme(cfg.scheme).quantized else cache_bytes_per_token(model, first, "bf16", cfg)[0]
+    ref_bpt = bpt if not is_quantized(cfg.scheme) else cache_bytes_per_token(model, first, "bf16", cfg)[0]
     return PerplexityResult(
-        scheme=cfg.scheme,
+        scheme=scheme_name(cfg.scheme),
         ppl=math.exp(nll),
         nll=nll,
         tokens=count,
@@ -220,7 +240,7 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
         group_size=cfg.group_size,
         bytes_per_token=bpt,
         unquantised_bytes_per_token=ref_bpt,
-        bits_per_element=stored_bits_per_element(cache_config(model.config, cfg)),
+        bits_per_element=stored_bits_per_element(model.config, cfg),
         dtype=dtype_name(param.dtype),
         device=str(device),
         cache_backend=backend,

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantmla.models.adapter import get_adapter
 from quantmla.models.expanded import expand_latent, expanded_latent_attention, pad_heads, padded_sdpa
-from quantmla.models.latent import module_states
-from quantmla.quant.scheme import CacheScheme, parse_scheme
+from quantmla.models.latent import module_state, module_states
+from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec, model_codec
+from quantmla.quant.scheme import CacheScheme
 
 #: elements of one query chunk's score matrix ``[B, H, chunk, L]`` (bounds the memory of ``attend``; a module
 #: constant: 64 MB of float32 scores where they are formed)
@@ -35,10 +37,20 @@ class SimulatedDecodeCache:
     group_size: int = 64
     sink: int = 4
     recent: int = 128
+    #: what a calibration method fitted for this layer's cache (:mod:`~quantmla.quant.codec`; its scheme is
+    #: ``scheme``): write-side transforms, attended with their read-side compensation, and learned ranges
+    codec: LayerCodec | None = None
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
+        if self.codec is not None and self.codec.scheme.name != self.scheme.name:
+            raise ValueError(f"codec of scheme {self.codec.scheme.name!r} in a simulation of {self.scheme.name!r}")
+
+    def _paths(self) -> tuple[PathCodec, PathCodec]:
+        if self.codec is not None:
+            return self.codec.content, self.codec.rope
+        return PathCodec(self.scheme.content), PathCodec(self.scheme.rope)
 
     def full_precision_mask(self, s: int, device, page: int | None = None) -> torch.Tensor:
         """``[S, S]`` True where query t sees key j unquantised: the sinks and its last ``recent`` tokens, and
@@ -57,12 +69,13 @@ class SimulatedDecodeCache:
     def quantize(self, latent: torch.Tensor, rope_key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The latent and RoPE key as the cache stores them (dequantised; a paged path in pages from ``sink``)."""
 
-        def stored(fmt, x):
-            if fmt.page is None or not self.sink:
-                return fmt.fake_quantize(x, self.group_size)
-            return torch.cat([x[..., : self.sink, :], fmt.fake_quantize(x[..., self.sink :, :], self.group_size)], -2)
+        def stored(path: PathCodec, x):
+            if path.fmt.page is None or not self.sink:
+                return path.stored(x, self.group_size)
+            return torch.cat([x[..., : self.sink, :], path.stored(x[..., self.sink :, :], self.group_size)], -2)
 
-        return stored(self.scheme.content, latent), stored(self.scheme.rope, rope_key)
+        content, rope = self._paths()
+        return stored(content, latent), stored(rope, rope_key)
 
     def _unquantised_spans(self, i: int, e: int) -> list[tuple[int, int]]:
         """Key ranges that queries ``i..e-1`` may read unquantised (no paged path): the sinks, and the keys from
@@ -80,6 +93,10 @@ class SimulatedDecodeCache:
             )
         if mask is not None and mask.dim() == 2:
             mask = mask[None, None]
+        if self.codec is not None:  # into the stored space; the read side compensates (exact at full precision)
+            content, rope = self.codec.content, self.codec.rope
+            latent, rope_key, q_pe = content.forward(latent), rope.forward(rope_key), rope.compensate(q_pe)
+            w_uk, w_uv = content.compensate(w_uk), content.compensate(w_uv)
         if self.scheme.content.page is None and self.scheme.rope.page is None:
             return self._attend_expanded(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
         return self._attend_paged(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask)
@@ -173,10 +190,16 @@ def installed(states: list, sims: list) -> Iterator[None]:
 
 @contextmanager
 def simulated_decode(
-    model: nn.Module, scheme: str | CacheScheme, group_size: int = 64, sink: int = 4, recent: int = 128
-) -> Iterator[SimulatedDecodeCache]:
-    """Within the block, forwards of ``model`` (latent attention enabled) see the cache as decode does."""
-    sim = SimulatedDecodeCache(parse_scheme(scheme), group_size, sink, recent)
-    states = module_states(model)
-    with installed(states, [sim] * len(states)):
-        yield sim
+    model: nn.Module, scheme: str | CacheScheme | ModelCodec, group_size: int = 64, sink: int = 4, recent: int = 128
+) -> Iterator[list[SimulatedDecodeCache]]:
+    """Within the block, forwards of ``model`` (latent attention enabled) see the cache as decode does: each
+    layer its codec's format and fitted parameters (a scheme: the same on every layer)."""
+    module_states(model)  # latent attention must be enabled
+    adapter = get_adapter(model)
+    modules = list(adapter.attention_modules(model))
+    codec = model_codec(scheme, adapter.num_cache_layers(model.config))
+    states = [module_state(attn) for _, attn in modules]
+    layers = [codec.layers[idx] for idx, _ in modules]
+    sims = [SimulatedDecodeCache(lc.scheme, group_size, sink, recent, lc if lc.fitted else None) for lc in layers]
+    with installed(states, sims):
+        yield sims

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PretrainedConfig
 
-from quantmla.export_format import META_FILE, read_meta
+from quantmla.export_format import META_FILE, read_codec, read_meta
 from quantmla.models.adapter import MLADims, get_adapter
 from quantmla.quant.affine import check_group
+from quantmla.quant.codec import ModelCodec
 from quantmla.quant.scheme import parse_scheme
 
 logger = logging.getLogger(__name__)
@@ -173,6 +174,7 @@ class ModelSource:
     path: Path
     config: PretrainedConfig
     meta: dict | None  # the directory's quantmla.json, validated (None: it has none)
+    codec: ModelCodec | None = None  # a codec method's per-layer codec (raq, blockgtq), read with the metadata
 
     @property
     def dims(self) -> MLADims:
@@ -201,7 +203,14 @@ def inspect_model(name_or_path: str | Path | ModelSource) -> ModelSource:
                     check_group(dim, meta["group_size"])
                 except ValueError as e:
                     raise ValueError(f"{path / META_FILE}: key 'group_size': {e}") from None
-    return ModelSource(path, config, meta)
+    codec = None if meta is None else read_codec(path, meta)
+    if codec is not None:
+        dims = adapter.dims(config)
+        try:
+            codec.check(adapter.num_cache_layers(config), dims.kv_lora_rank, dims.rope_dim, meta["group_size"])
+        except ValueError as e:
+            raise ValueError(f"{path / META_FILE}: per-layer codec: {e}") from None
+    return ModelSource(path, config, meta, codec)
 
 
 def load(

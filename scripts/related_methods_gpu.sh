@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 18's comparison on the bundled model v2, on one GPU machine in one device call: the seed papers' methods
+# (RAQ-MLA, Block-GTQ) and the baselines at the three budgets (~4.5, ~2.7 and ~2.5 bits per element), 4,096-token
+# test windows with the sink/recent windows, KL, NIAH, per-window NLL for the paired bootstrap. The rows of
+# RTN/SmoothQuant/QuaRot/QuantMLA at C4R4 and C2R4 come from scripts/model_v2_calibration_gpu.sh (same protocol).
+# Everything under $W is packed into $OUT/related.tar.gz every 20 s and at the end.
+# usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL]
+set -u
+export PYTHONPATH=src
+DEADLINE=${1:-560}
+NIAH=${2:-2}
+W=/tmp/rel; mkdir -p "$W/logs"
+t0=$(date +%s)
+pack() { tar -C "$W" -czf "$OUT/related.tmp.tar.gz" . 2>/dev/null && mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"; }
+(while sleep 20; do pack; done) &
+packer=$!
+run() {  # name, comma list of METHOD/SCHEME runs
+  timeout $((DEADLINE - 30)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
+    --runs "$2" > "$W/logs/$1.log" 2>&1 &
+}
+run raq-45 raq/c4g128q94r4p128,rtn/c4g128q94r4p128
+run raq-27 raq/c2q94r4p64,rtn/c2q94r4p64
+run raq-25 raq/c2g128q94r4p128,rtn/c2g128q94r4p128
+run gtq-45 blockgtq/c4r4t,rtn/c4r4t
+run gtq-27 blockgtq/c2r4t,rtn/c2r4t
+run gtq-25 blockgtq/c2g128q94r4t,rtn/c2g128q94r4t
+run base-25 smoothquant/c2g128q94r4t,quarot/c2g128q94r4t
+# QuantMLA at the ~2.5 budget: the layer stage one process per layer, then the model stage and evaluation
+SCHEMES=c2g128q94r4t WINDOWS=with ABLATION=0 EVAL_ARGS="--niah $NIAH" timeout $((DEADLINE - 30)) \
+  bash scripts/calibration_results_gpu.sh "$W/quantmla" 300 > "$W/logs/quantmla.log" 2>&1
+echo "quantmla: rc $? at $(($(date +%s) - t0)) s"
+wait
+echo "all done at $(($(date +%s) - t0)) s"
+kill $packer 2>/dev/null
+pack
+grep -h '^{' "$W"/logs/*.log "$W"/quantmla/logs/*.log 2>/dev/null | cut -c1-220

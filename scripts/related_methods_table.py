@@ -1,0 +1,94 @@
+"""Issue 18's comparison table, JSON and plot from the result folders of scripts/related_methods_gpu.sh (and the
+C4R4/C2R4 rows of docs/calibration-results.json, measured with the same protocol), sink 4 + recent 128 only.
+
+python scripts/related_methods_table.py --results docs/calibration-results.json W/*/results.json \
+    W/quantmla/q/*/results.json --out docs/related-methods-results.json --plot docs/related-methods-bpe.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme  # noqa: E402
+
+D_C, D_R = 512, 64  # the bundled model v2
+
+
+def bpe(method: str, scheme: str, layers: list[dict] | None) -> float:
+    s = parse_scheme(scheme)
+    if method == "blockgtq" and layers:  # the per-layer RoPE formats, averaged
+        vals = []
+        for row in layers:
+            rope = parse_scheme(f"c4r{row['rope']['format']}").rope
+            vals.append(CacheScheme("x", s.content, PathFormat("int", channel_bits=rope.channel_bits, turbo=True))
+                        .bits_per_element(D_C, D_R))  # fmt: skip
+        return sum(vals) / len(vals)
+    return s.bits_per_element(D_C, D_R)
+
+
+def paired(base: list[float], other: list[float], tokens: int, draws: int = 2000) -> tuple[float, float, float]:
+    """Mean ppl difference (other - base) and its 95% paired bootstrap interval over the windows (seed 0)."""
+    b, o = torch.tensor(base, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
+    idx = torch.randint(0, len(b), (draws, len(b)), generator=torch.Generator().manual_seed(0))
+    diff = torch.exp(o[idx].mean(1) / tokens) - torch.exp(b[idx].mean(1) / tokens)
+    lo, hi = torch.quantile(diff, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(torch.exp(o.mean() / tokens) - torch.exp(b.mean() / tokens)), lo, hi
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", type=Path, nargs="+", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, required=True)
+    args = ap.parse_args()
+    rows = {}
+    for f in args.results:
+        d = json.loads(f.read_text())
+        for r in d["results"]:
+            if r["windows"] != "4+128" or r.get("dtype", "float32") != "float32" or r["method"].count("/") > 1:
+                continue
+            method = r["method"].split("/")[0]
+            layer_rows = d.get("layers", {}).get(r["method"])
+            seconds = {k: v for k, v in d.get("calibration_seconds", {}).items() if k.split("@")[0] == r["method"]}
+            rows[r["method"]] = {
+                "method": method, "scheme": r["scheme"], "bpe": bpe(method, r["scheme"], layer_rows),
+                "ppl": r["ppl"], "kl": r["kl"], "niah": r["niah"]["all"], "niah_examples": r["niah"]["examples"],
+                "window_nll": r["window_nll"], "tokens_per_window": r["tokens_per_window"],
+                "calibration_seconds": sum(seconds.values()) if seconds else None,
+            }  # fmt: skip
+    for key, r in rows.items():  # paired bootstrap against RTN at the same scheme
+        base = rows.get(f"rtn/{r['scheme']}")
+        if base is not None and key != f"rtn/{r['scheme']}":
+            r["vs_rtn"] = paired(base["window_nll"], r["window_nll"], r["tokens_per_window"])
+    out = sorted(rows.values(), key=lambda r: (-round(r["bpe"], 1), r["ppl"]))
+    args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "window_nll"} for r in out], indent=1))
+    print("| method | scheme | BPE | ppl | KL to unquantised | NIAH | ppl vs RTN, same scheme (95% paired) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in out:
+        v = r.get("vs_rtn")
+        cmp = "" if v is None else f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
+        print(f"| {r['method']} | `{r['scheme']}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | "
+              f"{100 * r['niah']:.1f}% | {cmp} |")  # fmt: skip
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for method in sorted({r["method"] for r in out if r["method"] != "bf16"}):
+        pts = sorted((r["bpe"], r["ppl"], r["kl"]) for r in out if r["method"] == method)
+        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+        ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=method)
+    ax[0].set(xlabel="bits per cached element (metadata included)", ylabel="perplexity (test split, 4K windows)")
+    ax[1].set(xlabel="bits per cached element (metadata included)", ylabel="KL to the unquantised cache", yscale="log")
+    ax[0].legend(fontsize=7)
+    fig.suptitle("Bundled model v2, float32, H200, sink 4 + recent 128: every method at each budget")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

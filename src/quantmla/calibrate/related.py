@@ -1,0 +1,64 @@
+"""The seed papers' methods whose result is a cache codec rather than fused weights (``raq``, ``blockgtq``).
+
+Their parameters cannot all be fused into the weights (RAQ-MLA's general ``A_c`` after the norm and ``A_R``
+after RoPE) or are formats that differ by layer (Block-GTQ's widths per RoPE pair), so the model's weights stay
+as they are and the result is a :class:`~quantmla.quant.codec.ModelCodec` that the cache, the decode-cache
+simulation and the export carry. Each layer's report row holds the held-out values the choice was made on.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from quantmla.calibrate.objectives import collect
+from quantmla.calibrate.raq import RaqConfig, fit_path
+from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
+from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
+from quantmla.quant.scheme import parse_scheme
+
+CODEC_METHODS = ("raq", "blockgtq")
+
+
+def check_codec_scheme(method: str, scheme: str) -> None:
+    """Raise unless ``scheme`` is one ``method`` calibrates (Block-GTQ: a uniform TQ-MSE RoPE key, ``r<b>t``,
+    whose width is the mean the allocation keeps)."""
+    s = parse_scheme(scheme)
+    if method == "blockgtq" and not (s.rope.turbo and s.rope.channel_bits is None):
+        raise ValueError(
+            f"method blockgtq allocates the RoPE key's widths in TQ-MSE: scheme {scheme!r} needs a uniform TQ-MSE "
+            "RoPE path r<b>t, whose b is the mean width (e.g. c4r3t, c2g128q94r4t)"
+        )
+
+
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool) -> tuple[ModelCodec, list[dict]]:
+    """``(codec, per-layer report rows)`` of ``cfg.method`` (one of :data:`CODEC_METHODS`) on ``model``."""
+    scheme = parse_scheme(cfg.scheme)
+    rows, layers = [], {}
+    if cfg.method == "blockgtq":
+        d_r = modules[0][1].qk_rope_head_dim
+        pairs = adapter.rope_layout(model.config).cache_pairs(d_r)
+        scores = rope_block_scores(model, train_w, cfg.batch_size)
+        formats = allocated_formats(scores, pairs, scheme.rope.bits)
+        for idx, _ in modules:
+            fmt = formats[idx]
+            layers[idx] = LayerCodec(PathCodec(scheme.content), PathCodec(fmt))
+            rows.append({"layer": idx, "rope": {"scores": scores[idx].tolist(), "format": fmt.spec}})
+    else:
+        raq = RaqConfig()
+        desc = f"calibrate {cfg.method} {cfg.scheme}"
+        for idx, _ in tqdm(modules, desc=desc, unit="layer", disable=not progress):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
+            train = collect(model, idx, train_w, cfg.batch_size)
+            val = collect(model, idx, val_w, cfg.batch_size)
+            paths, row = {}, {"layer": idx}
+            for path, fmt in (("content", scheme.content), ("rope", scheme.rope)):
+                if path in cfg.paths:
+                    paths[path], row[path] = fit_path(path, train, val, fmt, cfg.group_size, raq, gen)
+                else:
+                    paths[path], row[path] = PathCodec(fmt), {"init": "original"}
+            layers[idx] = LayerCodec(paths["content"], paths["rope"])
+            rows.append(row)
+            del train, val
+    name = f"{cfg.method} {scheme.name}"
+    return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows

@@ -1,0 +1,94 @@
+"""The seed papers' codec methods (RAQ-MLA, Block-GTQ) through calibrate_model, export and the eval commands.
+
+* RAQ-MLA's fitted write-side transforms, with the read side compensating (A_c^-1 in W_UK and W_UV, A_R^-T on
+  the query), keep the float64 logits (<= 1e-9) when nothing is quantised;
+* its held-out attention-output error is never above the original basis' (and its Hadamard start's);
+* Block-GTQ's per-layer widths spend exactly the budget, differ by layer, and the codec round-trips the export.
+"""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from quantmla.calibrate import calibrate_model, export
+from quantmla.cli.main import app
+from quantmla.eval.simulate import simulated_decode
+from quantmla.models.loading import inspect_model
+from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
+from quantmla.quant.scheme import parse_scheme
+from tiny_models import tiny_model
+
+TINY = dict(num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)
+
+
+def _ids(n=6, t=32, seed=0):
+    return torch.randint(3, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_raq_transforms_are_exact_at_full_precision_and_never_worse_held_out():
+    model = tiny_model("deepseek_v3", dtype=torch.float64)
+    _, report = calibrate_model(model, None, _ids(), scheme="c2g64q94r4p8", method="raq", **TINY)
+    codec = report.codec
+    assert any(lc.content.transform is not None or lc.rope.transform is not None for lc in codec.layers)
+    for row in report.layers:
+        for path in ("content", "rope"):
+            vals = row[path]["candidate_val"]
+            assert row[path]["val_after"] <= min(vals.values()) + 1e-15
+    # the same transforms with nothing quantised: the float64 function is kept (query compensation included)
+    unquantised = ModelCodec("raq bf16", tuple(
+        LayerCodec(PathCodec(parse_scheme("bf16").content, lc.content.transform),
+                   PathCodec(parse_scheme("bf16").rope, lc.rope.transform)) for lc in codec.layers))  # fmt: skip
+    probe = _ids(2, 24, seed=5)
+    with torch.no_grad():
+        want = model(probe, use_cache=False).logits
+        with simulated_decode(model, unquantised, sink=0, recent=0):
+            got = model(probe, use_cache=False).logits
+    assert (got - want).abs().max().item() <= 1e-9
+
+
+def test_blockgtq_spends_the_budget_per_layer_and_round_trips_the_export(tmp_path):
+    model = tiny_model("deepseek_v2", dtype=torch.float32)
+    _, report = calibrate_model(model, None, _ids(), scheme="c4r3t", method="blockgtq", **TINY)
+    widths = [lc.rope.fmt.widths(64) for lc in report.codec.layers]
+    assert all(sum(w) == 3 * 64 for w in widths)  # mean 3 bits a channel (both channels of a pair alike)
+    assert all(lc.rope.fmt.turbo and lc.content.fmt.spec == "4" for lc in report.codec.layers)
+
+    class Tok:  # export saves a tokenizer; the tiny models have none
+        def save_pretrained(self, path):
+            (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
+
+    export(model, Tok(), tmp_path / "m", report)
+    meta = json.loads((tmp_path / "m" / "quantmla.json").read_text())
+    assert meta["method"] == "blockgtq" and meta["layer_schemes"] == [lc.scheme.name for lc in report.codec.layers]
+    back = inspect_model(str(tmp_path / "m")).codec
+    assert [lc.scheme.name for lc in back.layers] == meta["layer_schemes"]
+
+
+def test_raq_codec_round_trips_the_export(tmp_path):
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    _, report = calibrate_model(model, None, _ids(), scheme="c2r4", method="raq", **TINY)
+
+    class Tok:
+        def save_pretrained(self, path):
+            pass
+
+    export(model, Tok(), tmp_path / "m", report)
+    back = inspect_model(str(tmp_path / "m")).codec
+    for a, b in zip(report.codec.layers, back.layers, strict=True):
+        for path in ("content", "rope"):
+            ta, tb = getattr(a, path).transform, getattr(b, path).transform
+            assert (ta is None and tb is None) or torch.equal(ta.double(), tb)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--method", "blockgtq", "--scheme", "c4r3"], "needs a uniform TQ-MSE RoPE path"),
+        (["--method", "quantmla", "--scheme", "c2r4p64"], "does not handle per-channel-in-page"),
+    ],
+)
+def test_cli_refuses_schemes_a_method_cannot_calibrate(tmp_path, args, message):
+    res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "m"), *args])
+    assert res.exit_code != 0 and message in res.output and "Traceback" not in res.output
