@@ -4,20 +4,37 @@
 # test windows with the sink/recent windows, KL, NIAH, per-window NLL for the paired bootstrap. The rows of
 # RTN/SmoothQuant/QuaRot/QuantMLA at C4R4 and C2R4 come from scripts/model_v2_calibration_gpu.sh (same protocol).
 # Everything under $W is packed into $OUT/related.tar.gz every 20 s and at the end.
-# usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL]
+# usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL] [PART]
+# PART 1 (default): RAQ-MLA, Block-GTQ, baselines and QuantMLA at 2.47 BPE; PART 2: RoLaQ (150 steps) and
+# quantmla-raq (50 layer-stage steps), shortened to fit the session's device time.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
 NIAH=${2:-2}
-W=/tmp/rel; mkdir -p "$W/logs"
+PART=${3:-1}
+W=/tmp/rel$PART; mkdir -p "$W/logs"
 t0=$(date +%s)
 pack() { tar -C "$W" -czf "$OUT/related.tmp.tar.gz" . 2>/dev/null && mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"; }
 (while sleep 20; do pack; done) &
 packer=$!
-run() {  # name, comma list of METHOD/SCHEME runs
+run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
-    --runs "$2" > "$W/logs/$1.log" 2>&1 &
+    --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
 }
+if [ "$PART" = 2 ]; then
+  run rolaq-27 rolaq/c2r4 "--steps 150"
+  run rolaq-25 rolaq/c2g128r4,rtn/c2g128r4 "--steps 150"
+  # the combined method: QuantMLA's stages (50 layer steps here, for time) then RAQ-MLA on the fused model
+  run comb-45 quantmla-raq/c4r4 "--steps 50"
+  run comb-27 quantmla-raq/c2q94r4t,rtn/c2q94r4t "--steps 50"
+  run comb-25 quantmla-raq/c2g128q94r4t "--steps 50"
+  wait
+  echo "part 2 done at $(($(date +%s) - t0)) s"
+  kill $packer 2>/dev/null
+  pack
+  grep -h '^{' "$W"/logs/*.log | cut -c1-220
+  exit 0
+fi
 run raq-45 raq/c4g128q94r4p128,rtn/c4g128q94r4p128
 run raq-27 raq/c2q94r4p64,rtn/c2q94r4p64
 run raq-25 raq/c2g128q94r4p128,rtn/c2g128q94r4p128

@@ -63,4 +63,4 @@ def test_the_export_format_depends_on_neither_models_nor_calibrate():
         for mod, src_mod, _ in _imports(path):
             assert not src_mod.startswith("quantmla.calibrate"), (mod, src_mod)
     deps = {src_mod for _, src_mod, _ in _imports(SRC / "export_format.py")}
-    assert deps <= {"quantmla.quant.scheme"}, deps
+    assert deps <= {"quantmla.quant.scheme", "quantmla.quant.codec"}, deps

@@ -92,3 +92,45 @@ def test_raq_codec_round_trips_the_export(tmp_path):
 def test_cli_refuses_schemes_a_method_cannot_calibrate(tmp_path, args, message):
     res = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "m"), *args])
     assert res.exit_code != 0 and message in res.output and "Traceback" not in res.output
+
+
+def _float64_norms(model) -> None:
+    """transformers' RMSNorm computes in float32; here in float64, as the bar is 1e-9."""
+    for mod in model.modules():
+        if type(mod).__name__.endswith("RMSNorm"):
+            mod.forward = lambda x, m=mod: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                       + m.variance_epsilon))  # fmt: skip
+
+
+def _unquantised(codec: ModelCodec) -> ModelCodec:
+    """``codec``'s write-side transforms with nothing quantised (bf16 formats; learned ranges need none)."""
+    bf16 = parse_scheme("bf16")
+    return ModelCodec("unquantised", tuple(
+        LayerCodec(PathCodec(bf16.content, lc.content.transform), PathCodec(bf16.rope, lc.rope.transform))
+        for lc in codec.layers))  # fmt: skip
+
+
+@pytest.mark.parametrize("method,scheme", [("rolaq", "c2r4"), ("quantmla-raq", "c2g64q94r4t")])
+def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
+    import copy
+
+    model = tiny_model("deepseek_v3", dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        _float64_norms(m)
+    fused, report = calibrate_model(model, None, _ids(), scheme=scheme, method=method, steps=6, model_steps=3, **TINY)
+    probe = _ids(2, 24, seed=5)
+    with torch.no_grad():
+        want = ref(probe, use_cache=False).logits
+        with simulated_decode(fused, _unquantised(report.codec), sink=0, recent=0):
+            got = fused(probe, use_cache=False).logits
+    assert (got - want).abs().max().item() <= 1e-9
+    changed = any(not torch.equal(a, b) for a, b in zip(fused.state_dict().values(), ref.state_dict().values(),
+                                                          strict=True))  # fmt: skip
+    assert changed  # a rotation (RoLaQ) or QuantMLA's transforms were fused
+    for row in report.layers:
+        part = row["content"] if method == "rolaq" else row["raq"]["content"]
+        assert part["val_after"] <= min(part["candidate_val"].values()) + 1e-12
+    if method == "rolaq":
+        learned = [lc.content for lc in report.codec.layers if lc.content.clip_ratio is not None]
+        assert learned and all(bool(((c.clip_ratio > 0) & (c.clip_ratio <= 1)).all()) for c in learned)

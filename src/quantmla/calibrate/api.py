@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,8 @@ from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_conte
 
 logger = logging.getLogger(__name__)
 PATHS = ("content", "rope")
+#: the methods that run QuantMLA's layer and model stages (quantmla-raq: then RAQ-MLA's write-side transforms)
+QUANTMLA_METHODS = ("quantmla", "quantmla-raq")
 LAYER_STAGE_VERSION = 3  # 2: the original basis among every method's candidates; 3: one random stream per layer
 
 
@@ -61,7 +63,7 @@ class CalibrationConfig:
             raise ValueError(f"scheme={self.scheme!r} does not quantise: nothing to calibrate")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; valid: {', '.join(METHODS)}")
-        paged = s.content.page is not None or s.rope.page is not None
+        paged = s.content.page is not None or s.rope.page is not None  # (quantmla-raq: QuantMLA's stages first)
         if paged and self.method not in ("rtn", *CODEC_METHODS):
             raise ValueError(f"scheme={self.scheme!r}: method {self.method} does not handle per-channel-in-page "
                              f"formats; valid: rtn, {', '.join(CODEC_METHODS)}, or per-token formats")  # fmt: skip
@@ -171,7 +173,7 @@ def calibrate_model(
     the layer-local stage.
     """
     cfg = CalibrationConfig(**kwargs)
-    train_w, val_w, data_sha = _windows(tokenizer, texts, cfg)
+    train_w, val_w, data_sha = calibration_windows(tokenizer, texts, cfg)
     report = CalibrationReport(cfg, data_sha)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
@@ -180,9 +182,12 @@ def calibrate_model(
     if cfg.method in CODEC_METHODS:
         if layer_stage is not None:
             raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
-        report.codec, report.layers = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress)
-        logger.info("method %s: the weights are left untouched; the result is the cache codec %r", cfg.method,
-                    report.codec.name)  # fmt: skip
+        report.codec, report.layers, fused = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress)
+        for idx, attn in modules:
+            if idx in fused:
+                fuse_content(adapter, attn, fused[idx])
+        what = "content rotations fused into the weights" if fused else "the weights are left untouched"
+        logger.info("method %s: %s; the cache codec is %r", cfg.method, what, report.codec.name)
         return model, report
     if layer_stage is None:
         layer_stage = _layer_stage(model, adapter, modules, train_w, val_w, cfg, report.data_sha256, progress)
@@ -196,7 +201,7 @@ def calibrate_model(
         logger.info("method rtn: the model's weights are left untouched (the cache quantises c as the model has it)")
         return model, report
     chosen = dict(layer_stage.chosen)
-    if cfg.method == "quantmla" and cfg.model_steps > 0:
+    if cfg.method in QUANTMLA_METHODS and cfg.model_steps > 0:
         long_train, long_val = (_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
         chosen, report.model_level = _model_stage(
             model, adapter, modules, long_train, long_val, cfg, layer_stage, progress
@@ -208,6 +213,12 @@ def calibrate_model(
             fuse_rope(adapter, attn, chosen[idx][1], model.config)
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
+    if cfg.method == "quantmla-raq":  # RAQ-MLA's write-side transforms on top of the fused model
+        report.codec, raq_rows, _ = fit_codec(model, adapter, modules, train_w, val_w, replace(cfg, method="raq"),
+                                              progress)  # fmt: skip
+        for row, raq_row in zip(report.layers, raq_rows, strict=True):
+            row["raq"] = {"content": raq_row["content"], "rope": raq_row["rope"]}
+        report.codec = ModelCodec(f"quantmla-raq {parse_scheme(cfg.scheme).name}", report.codec.layers)
     return model, report
 
 
@@ -220,7 +231,7 @@ def layer_stage(model: nn.Module, tokenizer, texts, layers=None, progress: bool 
     model is not changed (latent attention is enabled on it if it was not).
     """
     cfg = CalibrationConfig(**kwargs)
-    train_w, val_w, data_sha = _windows(tokenizer, texts, cfg)
+    train_w, val_w, data_sha = calibration_windows(tokenizer, texts, cfg)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
     adapter = get_adapter(model)
@@ -234,7 +245,7 @@ def layer_stage(model: nn.Module, tokenizer, texts, layers=None, progress: bool 
     return _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress)
 
 
-def _windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
+def calibration_windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Training and held-out token windows, and the sha256 of both."""
     from quantmla.eval.ppl import token_windows
 
@@ -281,12 +292,13 @@ def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progres
         train = collect(model, idx, train_w, cfg.batch_size)
         val = collect(model, idx, val_w, cfg.batch_size)
         row: dict = {"layer": idx}
-        c_method = cfg.method if "content" in cfg.paths else "rtn"
+        method = "quantmla" if cfg.method == "quantmla-raq" else cfg.method
+        c_method = method if "content" in cfg.paths else "rtn"
         ct, row["content"] = content_transform(
             c_method, train, val, latent_gain(adapter, attn), scheme.content, cfg.group_size, learn_cfg, gen
         )
         pairs = adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim)
-        r_method = cfg.method if "rope" in cfg.paths else "rtn"
+        r_method = method if "rope" in cfg.paths else "rtn"
         rt, row["rope"] = rope_transform(r_method, train, val, pairs, scheme.rope, cfg.group_size, learn_cfg, gen)
         candidates[idx] = (row["content"].pop("candidates", {}), row["rope"].pop("candidates", {}))
         chosen[idx] = (ct, rt)

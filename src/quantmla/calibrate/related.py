@@ -1,9 +1,10 @@
-"""The seed papers' methods whose result is a cache codec rather than fused weights (``raq``, ``blockgtq``).
+"""The seed papers' methods whose result is a cache codec (``raq``, ``blockgtq``, ``rolaq``).
 
 Their parameters cannot all be fused into the weights (RAQ-MLA's general ``A_c`` after the norm and ``A_R``
-after RoPE) or are formats that differ by layer (Block-GTQ's widths per RoPE pair), so the model's weights stay
-as they are and the result is a :class:`~quantmla.quant.codec.ModelCodec` that the cache, the decode-cache
-simulation and the export carry. Each layer's report row holds the held-out values the choice was made on.
+after RoPE, RoLaQ's learned ranges) or are formats that differ by layer (Block-GTQ's widths per RoPE pair), so
+the result is a :class:`~quantmla.quant.codec.ModelCodec` that the cache, the decode-cache simulation and the
+export carry; RAQ-MLA and Block-GTQ leave the weights as they are, RoLaQ's rotation is fused into them.
+Each layer's report row holds the held-out values the choice was made on.
 """
 
 from __future__ import annotations
@@ -11,19 +12,28 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from quantmla.calibrate.objectives import collect
+from quantmla.calibrate import rolaq
+from quantmla.calibrate.methods import LearnConfig
+from quantmla.calibrate.objectives import collect, latent_gain
 from quantmla.calibrate.raq import RaqConfig, fit_path
 from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
 from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.quant.scheme import parse_scheme
 
-CODEC_METHODS = ("raq", "blockgtq")
+CODEC_METHODS = ("raq", "blockgtq", "rolaq")
 
 
 def check_codec_scheme(method: str, scheme: str) -> None:
     """Raise unless ``scheme`` is one ``method`` calibrates (Block-GTQ: a uniform TQ-MSE RoPE key, ``r<b>t``,
     whose width is the mean the allocation keeps)."""
     s = parse_scheme(scheme)
+    c = s.content
+    if method == "rolaq" and not (c.kind == "int" and not c.turbo and c.channel_bits is None and c.page is None
+                                  and c.clip is None):  # fmt: skip
+        raise ValueError(
+            f"method rolaq learns the ranges of affine per-token groups: scheme {scheme!r} needs a plain integer "
+            "content path c<b> or c<b>g<n> (e.g. c2r4, c2g128r4)"
+        )
     if method == "blockgtq" and not (s.rope.turbo and s.rope.channel_bits is None):
         raise ValueError(
             f"method blockgtq allocates the RoPE key's widths in TQ-MSE: scheme {scheme!r} needs a uniform TQ-MSE "
@@ -31,10 +41,11 @@ def check_codec_scheme(method: str, scheme: str) -> None:
         )
 
 
-def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool) -> tuple[ModelCodec, list[dict]]:
-    """``(codec, per-layer report rows)`` of ``cfg.method`` (one of :data:`CODEC_METHODS`) on ``model``."""
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool):
+    """``(codec, per-layer report rows, content transforms to fuse)`` of ``cfg.method`` (one of
+    :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations."""
     scheme = parse_scheme(cfg.scheme)
-    rows, layers = [], {}
+    rows, layers, fused = [], {}, {}
     if cfg.method == "blockgtq":
         d_r = modules[0][1].qk_rope_head_dim
         pairs = adapter.rope_layout(model.config).cache_pairs(d_r)
@@ -44,6 +55,19 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool) -> t
             fmt = formats[idx]
             layers[idx] = LayerCodec(PathCodec(scheme.content), PathCodec(fmt))
             rows.append({"layer": idx, "rope": {"scores": scores[idx].tolist(), "format": fmt.spec}})
+    elif cfg.method == "rolaq":
+        learn_cfg = LearnConfig(cfg.steps, cfg.lr)
+        for idx, attn in tqdm(modules, desc=f"calibrate rolaq {cfg.scheme}", unit="layer", disable=not progress):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
+            train = collect(model, idx, train_w, cfg.batch_size)
+            val = collect(model, idx, val_w, cfg.batch_size)
+            g = latent_gain(adapter, attn)
+            fused[idx], ratios, gains, info = rolaq.fit_layer(train, val, adapter, attn, g, scheme.content,
+                                                              cfg.group_size, learn_cfg, gen)  # fmt: skip
+            content = PathCodec(scheme.content, clip_ratio=ratios, gain=gains)
+            layers[idx] = LayerCodec(content, PathCodec(scheme.rope))
+            rows.append({"layer": idx, "content": info, "rope": {"format": scheme.rope.spec}})
+            del train, val
     else:
         raq = RaqConfig()
         desc = f"calibrate {cfg.method} {cfg.scheme}"
@@ -61,4 +85,4 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool) -> t
             rows.append(row)
             del train, val
     name = f"{cfg.method} {scheme.name}"
-    return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows
+    return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows, fused

@@ -138,7 +138,9 @@ def calibrate(
     method: str = typer.Option(
         "quantmla",
         help="quantmla, rtn, smoothquant, quarot, or a seed paper's method: raq (RAQ-MLA's write-side transforms, "
-        "e.g. with --scheme c2g128q94r4p128), blockgtq (Block-GTQ's RoPE widths per layer, e.g. --scheme c4r3t).",
+        "e.g. with --scheme c2g128q94r4p128), blockgtq (Block-GTQ's RoPE widths per layer, e.g. --scheme c4r3t), rolaq "
+        "(RoLaQ's refined rotation and learned ranges, e.g. --scheme c2r4); or quantmla-raq: QuantMLA's fused "
+        "transforms, then RAQ-MLA's write-side transforms on the fused model (e.g. --scheme c2g128q94r4t).",
     ),
     steps: int = typer.Option(300, min=0, help="Learning steps per path and layer (quantmla)."),
     model_steps: int = typer.Option(
