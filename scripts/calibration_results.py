@@ -280,6 +280,8 @@ def plot(layers: dict, path: Path) -> None:
             if tag.endswith("@4+128") or not (name.endswith("c4r4") or name.endswith("c2r4")):
                 continue  # one curve per method and scheme (QuantMLA: its no-window calibration)
             style = "-" if name.endswith("c4r4") else "--"
+            if any("val_after" not in r[kind] for r in rows):
+                continue  # a path the method only formats (Block-GTQ's RoPE widths, RoLaQ's RoPE key)
             ys = [r[kind].get("val_final", r[kind]["val_after"]) for r in rows]
             ax.plot([r["layer"] for r in rows], ys, "o" + style, label=name)
         ax.set_yscale("log")
