@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 18's comparison on the bundled model v2, on one GPU machine in one device call: the seed papers' methods
-# (RAQ-MLA, Block-GTQ) and the baselines at the three budgets (~4.5, ~2.7 and ~2.5 bits per element), 4,096-token
-# test windows with the sink/recent windows, KL, NIAH, per-window NLL for the paired bootstrap. The rows of
+# (RAQ-MLA, Block-GTQ, RoLaQ) and the baselines at the three budgets (~4.5, ~2.9 and ~2.65 bits per element at
+# the model's 256 + 64), 4,096-token test windows with the sink/recent windows, KL, NIAH, per-window NLL for the paired bootstrap. The rows of
 # RTN/SmoothQuant/QuaRot/QuantMLA at C4R4 and C2R4 come from scripts/model_v2_calibration_gpu.sh (same protocol).
 # Everything under $W is packed into $OUT/related.tar.gz every 20 s and at the end.
 # usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL] [PART]

@@ -17,9 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from quantmla.models.loading import DEFAULT_MODEL, inspect_model  # noqa: E402
 from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme  # noqa: E402
 
-D_C, D_R = 512, 64  # the bundled model v2
+_DIMS = inspect_model(DEFAULT_MODEL).dims  # the bundled model v2 (the results' model)
+D_C, D_R = _DIMS.kv_lora_rank, _DIMS.rope_dim
 
 
 def bpe(method: str, scheme: str, layers: list[dict] | None) -> float:

@@ -11,6 +11,8 @@ the identity.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -58,14 +60,44 @@ def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int
         state = module_state(call.module)
         if state is None:
             raise ValueError(f"attention module {index} has no latent attention; call enable_latent_attention first")
-        rec, prev = _QueryRecorder(), state.simulation
-        state.simulation = rec
-        try:
+        rec = _QueryRecorder()
+        with attending_through(call.module, rec):
             o, c, r = run_attention(call)
-        finally:
-            state.simulation = prev
         out.append(LayerBatch(call, o.detach(), c.detach(), r.detach(), rec.q_pe))
     return out
+
+
+@contextmanager
+def attending_through(module: nn.Module, attention) -> Iterator[None]:
+    """Within the block, latent-attention module ``module`` attends through ``attention`` (an object with the
+    ``attend`` of :func:`~quantmla.models.latent.absorbed_attention`'s arguments)."""
+    state = module_state(module)
+    if state is None:
+        raise ValueError("latent attention is not enabled on this module; call enable_latent_attention first")
+    prev, state.simulation = state.simulation, attention
+    try:
+        yield
+    finally:
+        state.simulation = prev
+
+
+class _ProbabilityRecorder:
+    """Attends as the absorbed reference and keeps the attention probabilities ``[B, H, S, L]``."""
+
+    probs: torch.Tensor | None = None
+
+    def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask):
+        out, self.probs = absorbed_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask,
+                                             return_probs=True)  # fmt: skip
+        return out
+
+
+def attention_probs(batch: LayerBatch, delta_c: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(module output, attention probabilities)`` of ``batch``'s call with ``delta_c`` added to the latent."""
+    rec = _ProbabilityRecorder()
+    with attending_through(batch.call.module, rec):
+        out = run_attention(batch.call, delta_c=delta_c)[0]
+    return out, rec.probs
 
 
 def content_maps(g, rotation, scales) -> tuple[torch.Tensor, torch.Tensor]:

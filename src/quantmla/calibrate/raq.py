@@ -30,8 +30,7 @@ import torch
 
 from quantmla.analysis.response import run_attention
 from quantmla.calibrate.methods import ORIGINAL, hadamard
-from quantmla.calibrate.objectives import LayerBatch
-from quantmla.models.latent import absorbed_attention, module_state
+from quantmla.calibrate.objectives import LayerBatch, attention_probs
 from quantmla.quant.codec import MAX_CONDITION, PathCodec
 from quantmla.quant.scheme import PathFormat
 
@@ -46,28 +45,10 @@ class RaqConfig:
             raise ValueError(f"dampings {self.dampings} must lie in (0, 1] and rounds={self.rounds} be >= 0")
 
 
-class _ProbRecorder:
-    """Stands in for a module's attention for one call: keeps ``w_j = sum_h sum_t p_{h,t,j}^2``."""
-
-    weights: torch.Tensor | None = None
-
-    def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask):
-        out, probs = absorbed_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask, return_probs=True)
-        self.weights = probs.double().pow(2).sum((1, 2))  # [B, L]
-        return out
-
-
 @torch.no_grad()
 def key_weights(batch: LayerBatch) -> torch.Tensor:
     """``[B, T]``: the attention-weighted value-readout weight of each cached token of ``batch``."""
-    state = module_state(batch.call.module)
-    rec, prev = _ProbRecorder(), state.simulation
-    state.simulation = rec
-    try:
-        run_attention(batch.call)
-    finally:
-        state.simulation = prev
-    return rec.weights
+    return attention_probs(batch)[1].double().pow(2).sum((1, 2))
 
 
 def query_weights(batch: LayerBatch) -> torch.Tensor:

@@ -17,16 +17,12 @@ value projections, and learned quantisation ranges, for a low-bit latent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from quantmla.analysis.response import run_attention
 from quantmla.calibrate.methods import ORIGINAL, LearnConfig, hadamard, learn, mean_layer_loss
-from quantmla.calibrate.objectives import LayerBatch
+from quantmla.calibrate.objectives import LayerBatch, attention_probs
 from quantmla.models.adapter import MLAAdapter
-from quantmla.models.latent import absorbed_attention, module_state
 from quantmla.quant.ranged import ste_ranged
 from quantmla.quant.scheme import PathFormat
 from quantmla.transforms.fuse import ContentTransform
@@ -74,29 +70,6 @@ class RolaqParam(nn.Module):
         return torch.exp(self.log_gain)
 
 
-@dataclass
-class _Probs:
-    """Stands in for the module's attention for one call, keeping its probabilities."""
-
-    probs: torch.Tensor | None = None
-
-    def attend(self, q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask):
-        out, self.probs = absorbed_attention(q_nope, q_pe, latent, rope_key, w_uk, w_uv, scale, mask,
-                                             return_probs=True)  # fmt: skip
-        return out
-
-
-def _attend(batch: LayerBatch, delta_c: torch.Tensor | None):
-    state = module_state(batch.call.module)
-    rec, prev = _Probs(), state.simulation
-    state.simulation = rec
-    try:
-        out = run_attention(batch.call, delta_c=delta_c)[0]
-    finally:
-        state.simulation = prev
-    return out, rec.probs
-
-
 def rolaq_loss(batch: LayerBatch, clean_probs: torch.Tensor, g: torch.Tensor, p: RolaqParam, fmt: PathFormat,
                group_size: int) -> torch.Tensor:  # fmt: skip
     """Normalised attention-output error plus ``KL_WEIGHT`` x the mean KL of the attention probabilities, with the
@@ -108,7 +81,7 @@ def rolaq_loss(batch: LayerBatch, clean_probs: torch.Tensor, g: torch.Tensor, p:
     y = ((c / gd) @ r) * sc
     y_hat = ste_ranged(y, fmt.bits, fmt.group_size(group_size), p.ratios(), p.gains())
     c_hat = ((y_hat / sc) @ r.T) * gd
-    out, probs = _attend(batch, c_hat - c)
+    out, probs = attention_probs(batch, c_hat - c)
     err = (out - batch.out).pow(2).sum() / batch.out.pow(2).sum()
     p, q = clean_probs.clamp_min(1e-30), probs.clamp_min(1e-30)
     kl = (p * (p.log() - q.log())).sum(-1).mean()
@@ -122,7 +95,7 @@ def fit_layer(train: list[LayerBatch], val: list[LayerBatch], adapter: MLAAdapte
     groups = d // fmt.group_size(group_size)
     dev = train[0].c.device
     g = g.to(dev)
-    clean = {id(b): _attend(b, None)[1].detach() for b in train + val}
+    clean = {id(b): attention_probs(b)[1].detach() for b in train + val}
     basis = projection_basis(adapter, attn, g)
     ones = torch.ones(d, dtype=torch.float64)
     # the original basis (R = sign g, S = |g|: the cache c itself, RTN) and the Hadamard of the unit-gain latent
