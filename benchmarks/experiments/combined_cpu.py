@@ -4,6 +4,7 @@ tokens, QuantMLA's layer stage 50 steps and model stage 30, evaluation on `quant
 (6 x 4,096 test tokens spread over the split), sink 4 + recent 128, KL to the unquantised cache, paired bootstrap.
 
     python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4t
+    python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4t --methods rtn,raq --model-seq-len 4096
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scheme", default="c2g128q94r4t")
     ap.add_argument("--methods", default="rtn,raq,quantmla,quantmla-raq")
+    ap.add_argument("--model-seq-len", type=int, default=None, help="calibrate's --model-seq-len (e.g. 4096)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base, tok = quantmla.load(dtype=torch.float32)
@@ -36,7 +38,8 @@ def main() -> None:
     rows = {}
     for method in args.methods.split(","):
         t0 = time.perf_counter()
-        model, rep = calibrate_model(copy.deepcopy(base), tok, calib, scheme=args.scheme, method=method, **RECIPE)
+        model, rep = calibrate_model(copy.deepcopy(base), tok, calib, scheme=args.scheme, method=method,
+                                     model_seq_len=args.model_seq_len, **RECIPE)  # fmt: skip
         secs = time.perf_counter() - t0
         cfg = PerplexityConfig(scheme=args.scheme if rep.codec is None else rep.codec, seq_len=4096, num_seqs=6,
                                spread=True, kl=True, per_window=True, batch_size=2)  # fmt: skip

@@ -134,3 +134,9 @@ def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
     if method == "rolaq":
         learned = [lc.content for lc in report.codec.layers if lc.content.clip_ratio is not None]
         assert learned and all(bool(((c.clip_ratio > 0) & (c.clip_ratio <= 1)).all()) for c in learned)
+
+
+def test_raq_fits_its_post_rope_transform_at_the_served_context():
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    _, report = calibrate_model(model, None, _ids(), scheme="c2r4", method="raq", model_seq_len=64, **TINY)
+    assert all(row["content"]["seq_len"] == 32 and row["rope"]["seq_len"] == 64 for row in report.layers)

@@ -182,7 +182,8 @@ def calibrate_model(
     if cfg.method in CODEC_METHODS:
         if layer_stage is not None:
             raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
-        report.codec, report.layers, fused = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress)
+        long = None if cfg.model_seq_len is None else tuple(_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
+        report.codec, report.layers, fused = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress, long)
         for idx, attn in modules:
             if idx in fused:
                 fuse_content(adapter, attn, fused[idx])
@@ -214,8 +215,9 @@ def calibrate_model(
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     if cfg.method == "quantmla-raq":  # RAQ-MLA's write-side transforms on top of the fused model
+        long = None if cfg.model_seq_len is None else tuple(_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
         report.codec, raq_rows, _ = fit_codec(model, adapter, modules, train_w, val_w, replace(cfg, method="raq"),
-                                              progress)  # fmt: skip
+                                              progress, long)  # fmt: skip
         for row, raq_row in zip(report.layers, raq_rows, strict=True):
             row["raq"] = {"content": raq_row["content"], "rope": raq_row["rope"]}
         report.codec = ModelCodec(f"quantmla-raq {parse_scheme(cfg.scheme).name}", report.codec.layers)

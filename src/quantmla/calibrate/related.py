@@ -41,9 +41,13 @@ def check_codec_scheme(method: str, scheme: str) -> None:
         )
 
 
-def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool):
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None):
     """``(codec, per-layer report rows, content transforms to fuse)`` of ``cfg.method`` (one of
-    :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations."""
+    :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations.
+
+    ``long_windows``: ``(train, held-out)`` windows at the served context (``cfg.model_seq_len``), on which
+    RAQ-MLA fits its post-RoPE transform: a key after RoPE depends on its position, and a transform fitted on
+    short windows has not seen the angles of the later positions."""
     scheme = parse_scheme(cfg.scheme)
     rows, layers, fused = [], {}, {}
     if cfg.method == "blockgtq":
@@ -73,16 +77,17 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool):
         desc = f"calibrate {cfg.method} {cfg.scheme}"
         for idx, _ in tqdm(modules, desc=desc, unit="layer", disable=not progress):
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
-            train = collect(model, idx, train_w, cfg.batch_size)
-            val = collect(model, idx, val_w, cfg.batch_size)
+            data = {"content": (train_w, val_w), "rope": long_windows or (train_w, val_w)}
             paths, row = {}, {"layer": idx}
             for path, fmt in (("content", scheme.content), ("rope", scheme.rope)):
                 if path in cfg.paths:
+                    train, val = (collect(model, idx, w, cfg.batch_size) for w in data[path])
                     paths[path], row[path] = fit_path(path, train, val, fmt, cfg.group_size, raq, gen)
+                    row[path]["seq_len"] = data[path][0].shape[1]
+                    del train, val
                 else:
                     paths[path], row[path] = PathCodec(fmt), {"init": "original"}
             layers[idx] = LayerCodec(paths["content"], paths["rope"])
             rows.append(row)
-            del train, val
     name = f"{cfg.method} {scheme.name}"
     return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows, fused

@@ -154,8 +154,8 @@ def calibrate(
     model_seq_len: int = typer.Option(
         None,
         min=2,
-        help="Tokens per sequence of the model-level stage: consecutive sequences joined (default: "
-        "--seq-len; e.g. 4096 to calibrate at the context you serve).",
+        help="Tokens per sequence of the model-level stage (and of RAQ-MLA's post-RoPE fit): consecutive sequences "
+        "joined (default: --seq-len; e.g. 4096 to calibrate at the context you serve).",
     ),  # fmt: skip
     batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
     sink: int = typer.Option(4, min=0, help="Sink tokens kept unquantised (recorded for decode)."),
