@@ -40,7 +40,8 @@ def v2_lite_layer(device: str) -> torch.nn.Module:
     cfg = DeepseekV2Config(
         vocab_size=4096, hidden_size=2048, intermediate_size=1408, num_hidden_layers=1, num_attention_heads=16,
         num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
-        v_head_dim=128, max_position_embeddings=4096, first_k_dense_replace=1, n_routed_experts=None,
+        v_head_dim=128, max_position_embeddings=4096, first_k_dense_replace=1, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, n_group=1, topk_group=1,
     )  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device).eval()

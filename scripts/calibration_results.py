@@ -22,7 +22,14 @@ from pathlib import Path
 import torch
 
 import quantmla
-from quantmla.calibrate import CalibrationConfig, LayerStage, calibrate_model, layer_stage, merge_layer_stages
+from quantmla.calibrate import (
+    QUANTMLA_METHODS,
+    CalibrationConfig,
+    LayerStage,
+    calibrate_model,
+    layer_stage,
+    merge_layer_stages,
+)
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.eval.niah import NiahConfig, accuracy, run_niah
 from quantmla.models.loading import builtin_text
@@ -105,10 +112,10 @@ def main() -> None:
             continue
         method, scheme, *only = tag.split("/")
         paths = tuple(only) if only else ("content", "rope")
-        if args.layer_stage_only and method != "quantmla":
+        if args.layer_stage_only and method not in QUANTMLA_METHODS:
             continue
         stage_file = None  # only QuantMLA has a layer stage to save or reuse
-        if args.layer_stages is not None and method == "quantmla":
+        if args.layer_stages is not None and method in QUANTMLA_METHODS:  # quantmla-raq starts from the same stage
             stage_file = args.layer_stages / f"{scheme}-{'+'.join(paths)}.pt"
         if args.stage_layers is not None:  # one part of the layer stage, merged when every part is there
             if not (args.layer_stage_only and stage_file is not None):
@@ -134,7 +141,7 @@ def main() -> None:
                 ).layer_key()  # fmt: skip
                 stage = content_only(torch.load(full, weights_only=False), key)
         # the baselines do not depend on the windows (calibrate once); QuantMLA's model-level stage does
-        calibrations = [(s, [s]) for s in settings] if method == "quantmla" else [(settings[0], list(settings))]
+        calibrations = [(s, [s]) for s in settings] if method in QUANTMLA_METHODS else [(settings[0], list(settings))]
         for (c_sink, c_recent), evals in calibrations:
             t0 = time.perf_counter()
             model, rep = calibrate_model(
@@ -143,10 +150,10 @@ def main() -> None:
                 seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
                 model_steps=0 if args.layer_stage_only else args.model_steps, model_seq_len=args.model_seq_len,
             )  # fmt: skip
-            key = tag if method != "quantmla" else f"{tag}@{c_sink}+{c_recent}"
+            key = tag if method not in QUANTMLA_METHODS else f"{tag}@{c_sink}+{c_recent}"
             times[key] = time.perf_counter() - t0
             layers[key] = rep.layers
-            if method == "quantmla" and stage is None:
+            if method in QUANTMLA_METHODS and stage is None:
                 stage = rep.layer_stage
                 times[f"{tag}:layer-stage"] = times[key]
                 if stage_file is not None:

@@ -6,7 +6,8 @@
 # Everything under $W is packed into $OUT/related.tar.gz every 20 s and at the end.
 # usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL] [PART]
 # PART 1 (default): RAQ-MLA, Block-GTQ, baselines and QuantMLA at 2.47 BPE; PART 2: RoLaQ (150 steps) and
-# quantmla-raq (50 layer-stage steps), shortened to fit the session's device time.
+# quantmla-raq (50 layer-stage steps), shortened to fit the session's device time; PART 3: quantmla-raq on saved
+# QuantMLA layer stages and RAQ-MLA fitted at 4,096 tokens, the calibration cost at DeepSeek-V2-Lite's shape.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -20,7 +21,36 @@ packer=$!
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
+  jobs_+=($!)
 }
+jobs_=()
+finish() { wait "${jobs_[@]}"; }  # the runs only: a bare wait would also wait for the packer loop
+if [ "$PART" = 3 ]; then
+  # the combined method on QuantMLA's saved layer stages (carried in $STAGES: c4r4, c2r4, c2g128q94r4t, 300
+  # steps), its model stage and RAQ-MLA's fits on 4,096-token windows; RAQ-MLA alone with its post-RoPE
+  # transform fitted at the served context (and at INT4 without clipping); the calibration cost at
+  # DeepSeek-V2-Lite's attention shape (env: MODEL_STEPS, RAQ45=0 and COST=0 leave those runs out)
+  STAGES=${STAGES:-out/stages-v2}
+  L="--model-seq-len 4096"
+  M="--model-steps ${MODEL_STEPS:-150}"  # QuantMLA's model stage inside quantmla-raq
+  run comb-45 quantmla-raq/c4r4 "$L $M --layer-stages $STAGES"
+  run comb-27 quantmla-raq/c2r4 "$L $M --layer-stages $STAGES"
+  run comb-25 quantmla-raq/c2g128q94r4t "$L $M --layer-stages $STAGES"
+  [ "${RAQ45:-1}" = 1 ] && run raq4k-45 raq/c4r4,raq/c4g128q94r4p128 "$L"
+  run raq4k-27 raq/c2q94r4p64 "$L"
+  run raq4k-25 raq/c2g128q94r4p128 "$L"
+  if [ "${COST:-1}" = 1 ]; then
+    timeout $((DEADLINE - 30)) python benchmarks/calibration_cost.py --device cuda --shape v2-lite \
+      --json "$W/cost-v2-lite.json" > "$W/logs/cost.log" 2>&1 &
+    jobs_+=($!)
+  fi
+  finish
+  echo "part 3 done at $(($(date +%s) - t0)) s"
+  kill $packer 2>/dev/null
+  pack
+  grep -h '^{' "$W"/logs/*.log | cut -c1-220
+  exit 0
+fi
 if [ "$PART" = 2 ]; then
   run rolaq-27 rolaq/c2r4 "--steps 150"
   run rolaq-25 rolaq/c2g128r4,rtn/c2g128r4 "--steps 150"
@@ -28,7 +58,7 @@ if [ "$PART" = 2 ]; then
   run comb-45 quantmla-raq/c4r4 "--steps 50"
   run comb-27 quantmla-raq/c2q94r4t,rtn/c2q94r4t "--steps 50"
   run comb-25 quantmla-raq/c2g128q94r4t "--steps 50"
-  wait
+  finish
   echo "part 2 done at $(($(date +%s) - t0)) s"
   kill $packer 2>/dev/null
   pack
@@ -46,7 +76,7 @@ run base-25 smoothquant/c2g128q94r4t,quarot/c2g128q94r4t
 SCHEMES=c2g128q94r4t WINDOWS=with ABLATION=0 EVAL_ARGS="--niah $NIAH" timeout $((DEADLINE - 30)) \
   bash scripts/calibration_results_gpu.sh "$W/quantmla" 300 > "$W/logs/quantmla.log" 2>&1
 echo "quantmla: rc $? at $(($(date +%s) - t0)) s"
-wait
+finish
 echo "all done at $(($(date +%s) - t0)) s"
 kill $packer 2>/dev/null
 pack

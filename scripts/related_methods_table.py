@@ -36,6 +36,16 @@ def bpe(method: str, scheme: str, layers: list[dict] | None) -> float:
     return s.bits_per_element(D_C, D_R)
 
 
+#: the comparison's three budgets (bits per element); a row belongs to the nearest
+BUDGETS = (4.5, 2.9, 2.65)
+OURS = ("quantmla", "quantmla-raq")
+PUBLISHED = ("smoothquant", "quarot", "raq", "rolaq", "blockgtq")
+
+
+def budget(bpe: float) -> float:
+    return 16.0 if bpe > 8 else min(BUDGETS, key=lambda b: abs(b - bpe))
+
+
 def paired(base: list[float], other: list[float], tokens: int, draws: int = 2000) -> tuple[float, float, float]:
     """Mean ppl difference (other - base) and its 95% paired bootstrap interval over the windows (seed 0)."""
     b, o = torch.tensor(base, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
@@ -70,20 +80,29 @@ def main() -> None:
         base = rows.get(f"rtn/{r['scheme']}")
         if base is not None and key != f"rtn/{r['scheme']}":
             r["vs_rtn"] = paired(base["window_nll"], r["window_nll"], r["tokens_per_window"])
-    out = sorted(rows.values(), key=lambda r: (-round(r["bpe"], 1), r["ppl"]))
+    for r in rows.values():  # ours against the best published method at the same budget (lowest perplexity)
+        rivals = [o for o in rows.values() if o["method"] in PUBLISHED and budget(o["bpe"]) == budget(r["bpe"])]
+        if r["method"] in OURS and rivals:
+            best = min(rivals, key=lambda o: o["ppl"])
+            diff = paired(best["window_nll"], r["window_nll"], r["tokens_per_window"])
+            r["vs_best_published"] = {"method": best["method"], "scheme": best["scheme"], "diff": diff}
+    out = sorted(rows.values(), key=lambda r: (-budget(r["bpe"]), r["ppl"]))
     args.out.write_text(json.dumps([{k: v for k, v in r.items() if k != "window_nll"} for r in out], indent=1))
-    print("| method | scheme | BPE | ppl | KL to unquantised | NIAH | ppl vs RTN, same scheme (95% paired) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | scheme | BPE | ppl | KL to unquantised | NIAH | ppl vs RTN, same scheme (95% paired) "
+          "| ppl vs best published at the budget (95% paired) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in out:
-        v = r.get("vs_rtn")
+        v, b = r.get("vs_rtn"), r.get("vs_best_published")
         cmp = "" if v is None else f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
+        best = "" if b is None else (f"{b['diff'][0]:+.4f} [{b['diff'][1]:+.4f}, {b['diff'][2]:+.4f}] vs "
+                                     f"{b['method']} `{b['scheme']}`")  # fmt: skip
         print(f"| {r['method']} | `{r['scheme']}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | "
-              f"{100 * r['niah']:.1f}% | {cmp} |")  # fmt: skip
+              f"{100 * r['niah']:.1f}% | {cmp} | {best} |")  # fmt: skip
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for method in sorted({r["method"] for r in out if r["method"] != "bf16"}):
-        best: dict[float, tuple] = {}  # a method's best scheme at each budget (BPE to 0.1)
+        best: dict[float, tuple] = {}  # a method's best scheme at each of the three budgets
         for r in (r for r in out if r["method"] == method):
-            b = round(r["bpe"], 1)
+            b = budget(r["bpe"])
             if b not in best or r["ppl"] < best[b][1]:
                 best[b] = (r["bpe"], r["ppl"], r["kl"])
         pts = sorted(best.values())

@@ -6,13 +6,14 @@
 * Block-GTQ's per-layer widths spend exactly the budget, differ by layer, and the codec round-trips the export.
 """
 
+import copy
 import json
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from quantmla.calibrate import calibrate_model, export
+from quantmla.calibrate import CalibrationConfig, calibrate_model, export, layer_stage
 from quantmla.cli.main import app
 from quantmla.eval.simulate import simulated_decode
 from quantmla.models.loading import inspect_model
@@ -140,3 +141,17 @@ def test_raq_fits_its_post_rope_transform_at_the_served_context():
     model = tiny_model("deepseek_v3", dtype=torch.float32)
     _, report = calibrate_model(model, None, _ids(), scheme="c2r4", method="raq", model_seq_len=64, **TINY)
     assert all(row["content"]["seq_len"] == 32 and row["rope"]["seq_len"] == 64 for row in report.layers)
+
+
+def test_quantmla_raq_reuses_quantmla_layer_stage():
+    # the combined method's layer stage is QuantMLA's: a stage saved by one serves the other, and the combined
+    # run on it gives the same fused weights as the combined run that computed its own stage
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    kw = dict(scheme="c2r4", steps=4, model_steps=0, **TINY)
+    assert CalibrationConfig(method="quantmla-raq").layer_key() == CalibrationConfig(method="quantmla").layer_key()
+    assert CalibrationConfig(method="raq").layer_key() != CalibrationConfig(method="quantmla").layer_key()
+    stage = layer_stage(copy.deepcopy(model), None, _ids(), method="quantmla", **kw)
+    reused, _ = calibrate_model(copy.deepcopy(model), None, _ids(), method="quantmla-raq", layer_stage=stage, **kw)
+    fresh, _ = calibrate_model(copy.deepcopy(model), None, _ids(), method="quantmla-raq", **kw)
+    for a, b in zip(reused.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)

@@ -1,6 +1,7 @@
 """Calibrate, fuse and export: :func:`calibrate_model`, :func:`export` (format: :mod:`quantmla.export_format`)."""
 
 from quantmla.calibrate.api import (
+    QUANTMLA_METHODS,
     CalibrationConfig,
     CalibrationReport,
     LayerStage,
@@ -13,6 +14,7 @@ from quantmla.export_format import METHODS, read_meta
 
 __all__ = [
     "METHODS",
+    "QUANTMLA_METHODS",
     "CalibrationConfig",
     "CalibrationReport",
     "LayerStage",

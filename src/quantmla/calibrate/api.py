@@ -95,7 +95,10 @@ class CalibrationConfig:
     def layer_key(self) -> tuple:
         """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
         skip = {"sink", "recent", "model_steps", "model_lr", "model_objective", "model_seq_len"}
-        return (("version", LAYER_STAGE_VERSION), *((k, v) for k, v in asdict(self).items() if k not in skip))
+        fields = asdict(self)
+        if fields["method"] in QUANTMLA_METHODS:  # quantmla-raq's layer stage is QuantMLA's: one stage serves both
+            fields["method"] = "quantmla"
+        return (("version", LAYER_STAGE_VERSION), *((k, v) for k, v in fields.items() if k not in skip))
 
 
 @dataclass
