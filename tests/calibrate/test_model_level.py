@@ -45,11 +45,15 @@ def _setup(name):
     return model, adapter, transforms
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "longcat_flash"])
-def test_transforms_in_the_original_basis_equal_the_fused_model(name):
-    """The quantised cache seen through LayerPaths (unfused model) = the fused model's quantised cache."""
+@pytest.mark.parametrize(
+    "name,scheme", [("deepseek_v3", "c4r4"), ("longcat_flash", "c4r4"), ("deepseek_v3", "c2q94r4p8"),
+                    ("deepseek_v3", "c4p8r4p4")]
+)  # fmt: skip
+def test_transforms_in_the_original_basis_equal_the_fused_model(name, scheme):
+    """The quantised cache seen through LayerPaths (unfused model) = the fused model's quantised cache, paged
+    paths included (their pages start after the sinks)."""
     model, adapter, transforms = _setup(name)
-    scheme = parse_scheme("c4r4")
+    scheme = parse_scheme(scheme)
     modules = list(adapter.attention_modules(model))
     layers = {
         idx: LayerPaths(*transforms[idx], latent_gain(adapter, attn), adapter.rope_layout(model.config).cache_pairs(

@@ -87,7 +87,7 @@ def test_raq_codec_round_trips_the_export(tmp_path):
     "args,message",
     [
         (["--method", "blockgtq", "--scheme", "c4r3"], "needs a uniform TQ-MSE RoPE path"),
-        (["--method", "quantmla", "--scheme", "c2r4p64"], "does not handle per-channel-in-page"),
+        (["--method", "rolaq", "--scheme", "bf16"], "does not quantise"),
     ],
 )
 def test_cli_refuses_schemes_a_method_cannot_calibrate(tmp_path, args, message):
@@ -111,7 +111,9 @@ def _unquantised(codec: ModelCodec) -> ModelCodec:
         for lc in codec.layers))  # fmt: skip
 
 
-@pytest.mark.parametrize("method,scheme", [("rolaq", "c2r4"), ("quantmla-raq", "c2g64q94r4t")])
+@pytest.mark.parametrize(
+    "method,scheme", [("rolaq", "c2r4"), ("quantmla-raq", "c2g64q94r4t"), ("quantmla-raq", "c2g64q94r4p8")]
+)
 def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
     import copy
 

@@ -63,10 +63,6 @@ class CalibrationConfig:
             raise ValueError(f"scheme={self.scheme!r} does not quantise: nothing to calibrate")
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}; valid: {', '.join(METHODS)}")
-        paged = s.content.page is not None or s.rope.page is not None  # (quantmla-raq: QuantMLA's stages first)
-        if paged and self.method not in ("rtn", *CODEC_METHODS):
-            raise ValueError(f"scheme={self.scheme!r}: method {self.method} does not handle per-channel-in-page "
-                             f"formats; valid: rtn, {', '.join(CODEC_METHODS)}, or per-token formats")  # fmt: skip
         if self.method in CODEC_METHODS:
             check_codec_scheme(self.method, self.scheme)
         bad = [p for p in self.paths if p not in PATHS]
