@@ -25,6 +25,14 @@ run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
 }
 jobs_=()
 finish() { wait "${jobs_[@]}"; }  # the runs only: a bare wait would also wait for the packer loop
+end_part() {  # parts 2 and 3: wait, pack, print the result lines
+  finish
+  echo "part $PART done at $(($(date +%s) - t0)) s"
+  kill $packer 2>/dev/null
+  pack
+  grep -h '^{' "$W"/logs/*.log | cut -c1-220
+  exit 0
+}
 if [ "$PART" = 3 ]; then
   # the combined method on QuantMLA's saved layer stages (carried in $STAGES: c4r4, c2r4, c2g128q94r4t, 300
   # steps), its model stage and RAQ-MLA's fits on 4,096-token windows; RAQ-MLA alone with its post-RoPE
@@ -44,12 +52,7 @@ if [ "$PART" = 3 ]; then
       --json "$W/cost-v2-lite.json" > "$W/logs/cost.log" 2>&1 &
     jobs_+=($!)
   fi
-  finish
-  echo "part 3 done at $(($(date +%s) - t0)) s"
-  kill $packer 2>/dev/null
-  pack
-  grep -h '^{' "$W"/logs/*.log | cut -c1-220
-  exit 0
+  end_part
 fi
 if [ "$PART" = 2 ]; then
   run rolaq-27 rolaq/c2r4 "--steps 150"
@@ -58,12 +61,7 @@ if [ "$PART" = 2 ]; then
   run comb-45 quantmla-raq/c4r4 "--steps 50"
   run comb-27 quantmla-raq/c2q94r4t,rtn/c2q94r4t "--steps 50"
   run comb-25 quantmla-raq/c2g128q94r4t "--steps 50"
-  finish
-  echo "part 2 done at $(($(date +%s) - t0)) s"
-  kill $packer 2>/dev/null
-  pack
-  grep -h '^{' "$W"/logs/*.log | cut -c1-220
-  exit 0
+  end_part
 fi
 run raq-45 raq/c4g128q94r4p128,rtn/c4g128q94r4p128
 run raq-27 raq/c2q94r4p64,rtn/c2q94r4p64

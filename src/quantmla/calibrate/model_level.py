@@ -86,16 +86,12 @@ class TransformedDecodeCache(SimulatedDecodeCache):
     paths: LayerPaths | None = None
 
     def quantize(self, latent, rope_key):
-        c_hat, k_hat = self.paths.quantize(latent, rope_key, self.scheme, self.group_size)
-        paged = (self.scheme.content.page is not None, self.scheme.rope.page is not None)
-        if self.sink and any(paged):  # a paged path's pages start after the sinks, as in the cache
-            s = self.sink
-            c_mid, k_mid = self.paths.quantize(latent[..., s:, :], rope_key[..., s:, :], self.scheme, self.group_size)
-            if paged[0]:
-                c_hat = torch.cat([latent[..., :s, :], c_mid], -2)
-            if paged[1]:
-                k_hat = torch.cat([rope_key[..., :s, :], k_mid], -2)
-        return c_hat, k_hat
+        s = self.sink
+        if not s or (self.scheme.content.page is None and self.scheme.rope.page is None):
+            return self.paths.quantize(latent, rope_key, self.scheme, self.group_size)
+        # a paged path's pages start after the sinks, as in the cache; a paged scheme reads the sinks as computed
+        c_mid, k_mid = self.paths.quantize(latent[..., s:, :], rope_key[..., s:, :], self.scheme, self.group_size)
+        return torch.cat([latent[..., :s, :], c_mid], -2), torch.cat([rope_key[..., :s, :], k_mid], -2)
 
 
 class InstalledPaths:
