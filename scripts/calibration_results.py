@@ -65,6 +65,12 @@ def main() -> None:
     ap.add_argument("--model-steps", type=int, default=150, help="QuantMLA's model-level steps (0: layer stage only)")
     ap.add_argument("--model-seq-len", type=int, default=None,
                     help="tokens per sequence of QuantMLA's model-level stage (default: --seq-len)")  # fmt: skip
+    ap.add_argument(
+        "--rope-fit-seq-len",
+        type=int,
+        default=None,
+        help="tokens per window of RAQ-MLA's post-RoPE fit (raq, quantmla-raq; default: --model-seq-len)",
+    )
     ap.add_argument("--layer-stages", type=Path, default=None,
                     help="folder of QuantMLA layer stages: reused when there, saved when not")  # fmt: skip
     ap.add_argument("--layer-stage-only", action="store_true",
@@ -149,6 +155,7 @@ def main() -> None:
                 method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
                 seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
                 model_steps=0 if args.layer_stage_only else args.model_steps, model_seq_len=args.model_seq_len,
+                rope_fit_seq_len=args.rope_fit_seq_len,
             )  # fmt: skip
             key = tag if method not in QUANTMLA_METHODS else f"{tag}@{c_sink}+{c_recent}"
             times[key] = time.perf_counter() - t0

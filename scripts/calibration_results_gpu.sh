@@ -6,7 +6,7 @@
 #   python scripts/calibration_results.py --out out/p1 \
 #       --runs bf16,rtn/c4r4,smoothquant/c4r4,quarot/c4r4,rtn/c2r4,smoothquant/c2r4,quarot/c2r4
 # and the table from: python scripts/calibration_results.py --out out/calib --merge out/p1 $WORK/q/*
-# usage: [EVAL_ARGS="--niah 1"] [SCHEMES="c4r4 c2r4"] [WINDOWS="with without"] [ABLATION=1] \
+# usage: [EVAL_ARGS="--niah 1"] [SCHEMES="c4r4 c2r4"] [WINDOWS="with without" | none] [ABLATION=1] \
 #   scripts/calibration_results_gpu.sh WORK_DIR [LAYER_STAGE_SECONDS]
 set -u
 WORK=${1:?usage: $0 WORK_DIR [LAYER_STAGE_SECONDS]}
@@ -37,6 +37,7 @@ for s in $SCHEMES; do
   python -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from calibration_results import \
 load_stage; load_stage(Path(sys.argv[1]))" "$STAGES/$s-content+rope.pt"
 done
+[ "$WINDOWS" = none ] && exit 0  # the layer stages only
 t1=$(date +%s)
 for s in $SCHEMES; do
   for w in $WINDOWS; do

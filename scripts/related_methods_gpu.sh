@@ -7,7 +7,9 @@
 # usage (on the device): scripts/related_methods_gpu.sh [DEADLINE_S] [NIAH_PER_CELL] [PART]
 # PART 1 (default): RAQ-MLA, Block-GTQ, baselines and QuantMLA at 2.47 BPE; PART 2: RoLaQ (150 steps) and
 # quantmla-raq (50 layer-stage steps), shortened to fit the session's device time; PART 3: quantmla-raq on saved
-# QuantMLA layer stages and RAQ-MLA fitted at 4,096 tokens, the calibration cost at DeepSeek-V2-Lite's shape.
+# QuantMLA layer stages and RAQ-MLA fitted at 4,096 tokens, the calibration cost at DeepSeek-V2-Lite's shape;
+# PART 4: the combined method at the three budgets (RAQ-MLA's schemes) and token protection off, detached, over
+# two calls: DEADLINE covers both (e.g. 1000), the second call is `scripts/related_methods_gpu.sh 0 0 collect`.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -15,11 +17,14 @@ NIAH=${2:-2}
 PART=${3:-1}
 W=/tmp/rel$PART; mkdir -p "$W/logs"
 t0=$(date +%s)
-pack() { tar -C "$W" -czf "$OUT/related.tmp.tar.gz" . 2>/dev/null && mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"; }
-(while sleep 20; do pack; done) &
-packer=$!
+pack() {  # the saved layer stages travel as their own files (parts 4 and 5), not in the archive
+  tar -C "$W" --exclude='*.pt' -czf "$OUT/related.tmp.tar.gz" . 2>/dev/null &&
+    mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"
+}
+packer=
+case $PART in 1|2|3) (while sleep 20; do pack; done) & packer=$! ;; esac
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
-  timeout $((DEADLINE - 30)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
+  timeout $((DEADLINE - 30 - $(date +%s) + t0)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
   jobs_+=($!)
 }
@@ -28,11 +33,51 @@ finish() { wait "${jobs_[@]}"; }  # the runs only: a bare wait would also wait f
 end_part() {  # parts 2 and 3: wait, pack, print the result lines
   finish
   echo "part $PART done at $(($(date +%s) - t0)) s"
-  kill $packer 2>/dev/null
+  [ -n "$packer" ] && kill $packer 2>/dev/null
   pack
   grep -h '^{' "$W"/logs/*.log | cut -c1-220
   exit 0
 }
+NEW_SCHEMES="c2q94r4p64 c2g128q94r4p128"  # RAQ-MLA's own schemes at ~2.9 and ~2.65 BPE
+collect() {  # PART 4's foreground: wait for the detached runs (or $1 seconds), pack, return the new layer stages
+  while [ ! -f "$W/done" ] && [ $(($(date +%s) - t0)) -lt "$1" ]; do sleep 5; done
+  pack
+  for s in $NEW_SCHEMES; do  # '+' is not a name the device returns: renamed, back to $s-content+rope.pt here
+    f="$W/quantmla/stages/$s-content+rope.pt"; [ -f "$f" ] && cp "$f" "$OUT/$s.stage.pt"
+  done
+  cat "$W/detached.log" 2>/dev/null | tail -3
+  grep -h '^{' "$W"/logs/*.log 2>/dev/null | cut -c1-220
+  exit 0
+}
+if [ "$PART" = collect ]; then W=/tmp/rel4; collect "${COLLECT_S:-560}"; fi
+if [ "$PART" = 4 ] && [ -z "${DETACHED:-}" ]; then
+  # the runs outlive this call (a new process session): a second call on the warm machine, made at once,
+  # collects them with PART=collect
+  DETACHED=1 setsid nohup bash "$0" "$@" > "$W/detached.log" 2>&1 < /dev/null &
+  collect "${COLLECT_S:-560}"
+fi
+if [ "$PART" = 4 ]; then
+  # the combined method (RAQ-MLA's fits from both bases, its post-RoPE fits at 4,096-token windows, QuantMLA's
+  # model stage as QuantMLA's rows run it: 150 steps at 512) at the three budgets, on RAQ-MLA's own schemes
+  # below 3 bits: c4r4 on its saved layer stage (carried in $STAGES), the new schemes' layer stages computed
+  # here (one process per layer); token protection off (no sink, no recent window): RTN and RoLaQ (150 steps)
+  R="--rope-fit-seq-len 4096"
+  run comb-45 quantmla-raq/c4r4 "$R --layer-stages ${STAGES:-out/stages-v2}"
+  nw="--windows without"
+  run nw-rtn rtn/c2r4,rtn/c2g128r4 "$nw"
+  run nw-rolaq-27 rolaq/c2r4 "$nw --steps 150"
+  run nw-rolaq-25 rolaq/c2g128r4 "$nw --steps 150"
+  Q=$W/quantmla; mkdir -p "$Q/stages"
+  SCHEMES="$NEW_SCHEMES" WINDOWS=none ABLATION=0 timeout 400 \
+    bash scripts/calibration_results_gpu.sh "$Q" 300 > "$W/logs/stages.log" 2>&1
+  echo "layer stages: rc $? at $(($(date +%s) - t0)) s"
+  run comb-27 quantmla-raq/c2q94r4p64 "$R --layer-stages $Q/stages"
+  run comb-25 quantmla-raq/c2g128q94r4p128 "$R --layer-stages $Q/stages"
+  finish
+  echo "part 4 done at $(($(date +%s) - t0)) s"
+  touch "$W/done"
+  exit 0
+fi
 if [ "$PART" = 3 ]; then
   # the combined method on QuantMLA's saved layer stages (carried in $STAGES: c4r4, c2r4, c2g128q94r4t, 300
   # steps), its model stage and RAQ-MLA's fits on 4,096-token windows; RAQ-MLA alone with its post-RoPE

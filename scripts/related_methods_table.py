@@ -1,8 +1,11 @@
-"""Issue 18's comparison table, JSON and plot from the result folders of scripts/related_methods_gpu.sh (and the
-C4R4/C2R4 rows of docs/calibration-results.json, measured with the same protocol), sink 4 + recent 128 only.
+"""Issue 18's comparison table, JSON and plot from the result files of scripts/related_methods_gpu.sh (kept in
+docs/related-methods-runs/) and the C4R4/C2R4 rows of docs/calibration-results.json (the same protocol), at one
+window setting (sink 4 + recent 128, or none: token protection off).
 
-python scripts/related_methods_table.py --results docs/calibration-results.json W/*/results.json \
-    W/quantmla/q/*/results.json --out docs/related-methods-results.json --plot docs/related-methods-bpe.png
+python scripts/related_methods_table.py --results docs/calibration-results.json docs/related-methods-runs/*.json \
+    --out docs/related-methods-results.json --plot docs/related-methods-bpe.png
+python scripts/related_methods_table.py --windows 0+0 --results docs/related-methods-runs/nw-*.json \
+    --out docs/related-methods-nowindows.json
 """
 
 from __future__ import annotations
@@ -59,13 +62,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--results", type=Path, nargs="+", required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plot", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--windows", default="4+128", help="sink+recent of the rows to take: 4+128 or 0+0")
+    ap.add_argument("--exclude", default="", help="comma list of METHOD/SCHEME rows to leave out")
     args = ap.parse_args()
+    exclude = set(filter(None, args.exclude.split(",")))
     rows = {}
     for f in args.results:
         d = json.loads(f.read_text())
         for r in d["results"]:
-            if r["windows"] != "4+128" or r.get("dtype", "float32") != "float32" or r["method"].count("/") > 1:
+            if r["windows"] != args.windows or r.get("dtype", "float32") != "float32" or r["method"].count("/") > 1:
+                continue
+            if r["method"] in exclude:
                 continue
             method = r["method"].split("/")[0]
             layer_rows = d.get("layers", {}).get(r["method"])
@@ -98,6 +106,8 @@ def main() -> None:
                                      f"{b['method']} `{b['scheme']}`")  # fmt: skip
         print(f"| {r['method']} | `{r['scheme']}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | "
               f"{100 * r['niah']:.1f}% | {cmp} | {best} |")  # fmt: skip
+    if args.plot is None:
+        return
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     for method in sorted({r["method"] for r in out if r["method"] != "bf16"}):
         best: dict[float, tuple] = {}  # a method's best scheme at each of the three budgets

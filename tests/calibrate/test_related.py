@@ -132,8 +132,14 @@ def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
                                                           strict=True))  # fmt: skip
     assert changed  # a rotation (RoLaQ) or QuantMLA's transforms were fused
     for row in report.layers:
-        part = row["content"] if method == "rolaq" else row["raq"]["content"]
-        assert part["val_after"] <= min(part["candidate_val"].values()) + 1e-12
+        if method == "rolaq":
+            assert row["content"]["val_after"] <= min(row["content"]["candidate_val"].values()) + 1e-12
+            continue
+        for path in ("content", "rope"):  # the combined method: the better of RAQ-MLA's fits from both bases
+            part = row["raq"][path]
+            assert part["basis"] in ("fused", "unfused")
+            best = min(min(part[b]["candidate_val"].values()) for b in ("fused", "unfused"))
+            assert part["val_after"] <= best + 1e-12
     if method == "rolaq":
         learned = [lc.content for lc in report.codec.layers if lc.content.clip_ratio is not None]
         assert learned and all(bool(((c.clip_ratio > 0) & (c.clip_ratio <= 1)).all()) for c in learned)
@@ -143,6 +149,11 @@ def test_raq_fits_its_post_rope_transform_at_the_served_context():
     model = tiny_model("deepseek_v3", dtype=torch.float32)
     _, report = calibrate_model(model, None, _ids(), scheme="c2r4", method="raq", model_seq_len=64, **TINY)
     assert all(row["content"]["seq_len"] == 32 and row["rope"]["seq_len"] == 64 for row in report.layers)
+    # its own window length, apart from the model stage's: the combined method fits both of its bases there
+    _, report = calibrate_model(tiny_model("deepseek_v3", dtype=torch.float32), None, _ids(), scheme="c2r4",
+                                method="quantmla-raq", steps=2, model_steps=1, rope_fit_seq_len=64, **TINY)  # fmt: skip
+    assert all(row["raq"]["rope"][b]["seq_len"] == 64 and row["raq"]["content"][b]["seq_len"] == 32
+               for row in report.layers for b in ("fused", "unfused"))  # fmt: skip
 
 
 def test_quantmla_raq_reuses_quantmla_layer_stage():
@@ -157,3 +168,41 @@ def test_quantmla_raq_reuses_quantmla_layer_stage():
     fresh, _ = calibrate_model(copy.deepcopy(model), None, _ids(), method="quantmla-raq", **kw)
     for a, b in zip(reused.state_dict().values(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_combined_method_carries_the_unfused_fit_exactly():
+    # RAQ-MLA fitted on the unfused model, carried to QuantMLA's fused model as U^-1 A, quantises the same
+    # values: the quantised float64 logits agree (a wrong U^-1, e.g. transposed, fails this). DeepSeek-V3's
+    # module, as the other float64 tests: V2's RoPE runs in complex64, so its fused model differs at ~4e-7.
+    from quantmla.calibrate.combined import content_undo, pick, rope_undo
+    from quantmla.calibrate.objectives import latent_gain
+    from quantmla.models.adapter import get_adapter
+
+    torch.manual_seed(0)
+    scheme = "c2g64q94r4p8"
+    unfused = tiny_model("deepseek_v3", dtype=torch.float64)
+    fused = copy.deepcopy(unfused)
+    for m in (unfused, fused):  # after the copy: the patched norms hold their own module
+        _float64_norms(m)
+    _, raq = calibrate_model(unfused, None, _ids(), scheme=scheme, method="raq", **TINY)
+    _, rep = calibrate_model(fused, None, _ids(), scheme=scheme, method="quantmla", steps=6, model_steps=0, **TINY)
+    adapter = get_adapter(unfused)
+    dims = adapter.dims(unfused.config)
+    pairs = adapter.rope_layout(unfused.config).cache_pairs(dims.rope_dim)
+    chosen = rep.layer_stage.chosen
+    assert any(not torch.equal(chosen[i][0].rotation, torch.diag(chosen[i][0].rotation.diagonal())) for i in chosen)
+    undo = [{"content": content_undo(chosen[i][0], latent_gain(adapter, attn)), "rope": rope_undo(chosen[i][1], pairs)}
+            for i, attn in adapter.attention_modules(unfused)]  # fmt: skip
+    never = [{"content": {"val_after": float("inf")}, "rope": {"val_after": float("inf")}} for _ in undo]
+    codec, rows = pick("carried", (raq.codec, never), (raq.codec, raq.layers), undo)
+    assert all(r[p]["basis"] == "unfused" for r in rows for p in ("content", "rope"))
+    probe = _ids(2, 24, seed=5)
+    with torch.no_grad():
+        with simulated_decode(unfused, raq.codec, sink=1, recent=2):
+            want = unfused(probe, use_cache=False).logits
+        with simulated_decode(fused, codec, sink=1, recent=2):
+            got = fused(probe, use_cache=False).logits
+        with simulated_decode(fused, raq.codec, sink=1, recent=2):  # the unfused fit uncarried: not the same
+            wrong = fused(probe, use_cache=False).logits
+    assert (got - want).abs().max().item() <= 1e-9
+    assert (wrong - want).abs().max().item() > 1e-3

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quantmla.calibrate.combined import content_undo, pick, rope_undo
 from quantmla.calibrate.methods import (
     ORIGINAL,
     LearnConfig,
@@ -56,6 +57,10 @@ class CalibrationConfig:
     #: tokens per sequence of the model-level stage (None: seq_len): consecutive calibration windows joined, so
     #: the stage sees the cache at the context it will serve (the layer stage stays at seq_len)
     model_seq_len: int | None = None
+    #: tokens per sequence on which RAQ-MLA's post-RoPE transform is fitted (raq, quantmla-raq; None:
+    #: model_seq_len, then seq_len): a key after RoPE depends on its position, so a transform fitted on short
+    #: windows has not seen the angles of later positions
+    rope_fit_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         s = parse_scheme(self.scheme)
@@ -75,22 +80,22 @@ class CalibrationConfig:
         ModelLevelConfig(self.model_steps, self.model_lr, self.batch_size, objective=self.model_objective)
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
-        if self.model_seq_len is not None:
-            m = self.model_seq_len
-            if (
+        for name in ("model_seq_len", "rope_fit_seq_len"):
+            m = getattr(self, name)
+            if m is not None and (
                 m < self.seq_len
                 or m % self.seq_len
                 or (self.num_seqs * self.seq_len) % m
                 or (self.val_seqs * self.seq_len) % m
             ):
                 raise ValueError(
-                    f"model_seq_len={m}: a multiple of seq_len={self.seq_len} that divides the {self.num_seqs} "
+                    f"{name}={m}: a multiple of seq_len={self.seq_len} that divides the {self.num_seqs} "
                     f"calibration and {self.val_seqs} held-out sequences' tokens (e.g. {self.seq_len * 2})"
                 )
 
     def layer_key(self) -> tuple:
         """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
-        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective", "model_seq_len"}
+        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective", "model_seq_len", "rope_fit_seq_len"}
         fields = asdict(self)
         if fields["method"] in QUANTMLA_METHODS:  # quantmla-raq's layer stage is QuantMLA's: one stage serves both
             fields["method"] = "quantmla"
@@ -181,7 +186,7 @@ def calibrate_model(
     if cfg.method in CODEC_METHODS:
         if layer_stage is not None:
             raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
-        long = None if cfg.model_seq_len is None else tuple(_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
+        long = _rope_fit_windows(cfg, train_w, val_w)
         report.codec, report.layers, fused = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress, long)
         for idx, attn in modules:
             if idx in fused:
@@ -206,6 +211,16 @@ def calibrate_model(
         chosen, report.model_level = _model_stage(
             model, adapter, modules, long_train, long_val, cfg, layer_stage, progress
         )
+    if cfg.method == "quantmla-raq":  # RAQ-MLA on the unfused model first: one of the combined method's two bases
+        raq_cfg = replace(cfg, method="raq")
+        long = _rope_fit_windows(cfg, train_w, val_w)
+        unfused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long)[:2]
+        dims = adapter.dims(model.config)
+        pairs = adapter.rope_layout(model.config).cache_pairs(dims.rope_dim)
+        undo = [{"content": content_undo(chosen[idx][0], latent_gain(adapter, attn)) if "content" in cfg.paths
+                 else torch.eye(dims.kv_lora_rank, dtype=torch.float64),
+                 "rope": rope_undo(chosen[idx][1], pairs) if "rope" in cfg.paths
+                 else torch.eye(dims.rope_dim, dtype=torch.float64)} for idx, attn in modules]  # fmt: skip
     for idx, attn in modules:
         if "content" in cfg.paths:
             fuse_content(adapter, attn, chosen[idx][0])
@@ -213,14 +228,21 @@ def calibrate_model(
             fuse_rope(adapter, attn, chosen[idx][1], model.config)
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
-    if cfg.method == "quantmla-raq":  # RAQ-MLA's write-side transforms on top of the fused model
-        long = None if cfg.model_seq_len is None else tuple(_joined(w, cfg.model_seq_len) for w in (train_w, val_w))
-        report.codec, raq_rows, _ = fit_codec(model, adapter, modules, train_w, val_w, replace(cfg, method="raq"),
-                                              progress, long)  # fmt: skip
+    if cfg.method == "quantmla-raq":  # and on the fused model; per layer and path the better held-out fit
+        fused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long)[:2]
+        name = f"quantmla-raq {parse_scheme(cfg.scheme).name}"
+        report.codec, raq_rows = pick(name, fused, unfused, undo)
         for row, raq_row in zip(report.layers, raq_rows, strict=True):
-            row["raq"] = {"content": raq_row["content"], "rope": raq_row["rope"]}
-        report.codec = ModelCodec(f"quantmla-raq {parse_scheme(cfg.scheme).name}", report.codec.layers)
+            row["raq"] = raq_row
+        kept = [f"{p} {sum(r[p]['basis'] == 'unfused' for r in raq_rows)}/{len(raq_rows)}" for p in PATHS]
+        logger.info("method quantmla-raq: RAQ-MLA's fit from the unfused basis kept in layers: %s", ", ".join(kept))
     return model, report
+
+
+def _rope_fit_windows(cfg: CalibrationConfig, train_w, val_w):
+    """RAQ-MLA's post-RoPE fitting windows ``(train, held-out)``, or ``None`` for the calibration windows."""
+    n = cfg.rope_fit_seq_len or cfg.model_seq_len
+    return None if n is None else tuple(_joined(w, n) for w in (train_w, val_w))
 
 
 def layer_stage(model: nn.Module, tokenizer, texts, layers=None, progress: bool = True, **kwargs) -> LayerStage:

@@ -154,8 +154,14 @@ def calibrate(
     model_seq_len: int = typer.Option(
         None,
         min=2,
-        help="Tokens per sequence of the model-level stage (and of RAQ-MLA's post-RoPE fit): consecutive sequences "
+        help="Tokens per sequence of the model-level stage (and of RAQ-MLA's post-RoPE fit unless --rope-fit-seq-len): "
+        "consecutive sequences "
         "joined (default: --seq-len; e.g. 4096 to calibrate at the context you serve).",
+    ),  # fmt: skip
+    rope_fit_seq_len: int = typer.Option(
+        None,
+        min=2,
+        help="Tokens per sequence of RAQ-MLA's post-RoPE fit (raq, quantmla-raq; default: --model-seq-len).",
     ),  # fmt: skip
     batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
     sink: int = typer.Option(4, min=0, help="Sink tokens kept unquantised (recorded for decode)."),
@@ -179,7 +185,7 @@ def calibrate(
     kwargs = dict(
         scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs, seq_len=seq_len,
         batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps, model_lr=model_lr,
-        model_objective=model_objective, model_seq_len=model_seq_len,
+        model_objective=model_objective, model_seq_len=model_seq_len, rope_fit_seq_len=rope_fit_seq_len,
     )  # fmt: skip
     with user_errors():  # everything but the calibration itself is checked before a weight is read
         dev = resolve_device(device)
