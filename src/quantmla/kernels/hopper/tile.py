@@ -1,0 +1,28 @@
+"""The decode kernel v3's h = 16 inner loop (``tile_h16.cu``), prototype: scores and the probability-weighted
+output of an INT4 content latent (512 channels, groups of 64) in the fragment-ordered layout, with the scales
+folded out of both wgmma products. ``P`` is given (no softmax): the prototype measures the products."""
+
+from __future__ import annotations
+
+import torch
+
+from quantmla.kernels.fragment import pack_fragments
+from quantmla.kernels.hopper.build import extension
+from quantmla.kernels.hopper.probe import as_int32
+
+#: no-swizzle core-matrix strides of the shared-memory operands (bytes): along K, along N
+LBO, SBO = 256, 128
+
+
+def pack_h16(codes: torch.Tensor) -> torch.Tensor:
+    """INT4 codes ``[T, 512]`` as the kernel's int32 words ``[T / 16, 32, 32]``."""
+    return as_int32(pack_fragments(codes, 4))
+
+
+def tile_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+             per_cta: int = 1024, lbo: int = LBO, sbo: int = SBO) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(S^T [T, 16], O [16, 512])`` fp32 on the GPU; inputs fp16 CUDA (``words`` from :func:`pack_h16`)."""
+    stream = torch.cuda.current_stream(words.device).cuda_stream
+    scores, partial, rank1 = extension("v3").tile_h16(words, scale, minimum, q, p, per_cta, lbo, sbo, stream)
+    out = partial.sum(0) + rank1.sum(0).repeat_interleave(64, dim=1)
+    return scores, out

@@ -1,0 +1,122 @@
+"""The decode kernel v3's fragment-ordered pack layout (issue 19): it round-trips, both products' register
+operands come out of it with the kernel's bit operations, and the folded products of those operands equal the
+dequantised products in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmla.kernels.folded import dequantised, folded_minimum, magic_number
+from quantmla.kernels.fragment import (
+    TILE,
+    byte_perm,
+    fragment_coords,
+    operand_tiles,
+    output_operand,
+    pack_fragments,
+    scores_operand,
+    unpack_fragments,
+)
+
+
+def _codes(bits: int, tokens: int = 48, dim: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 2**bits, (tokens, dim), generator=torch.Generator().manual_seed(seed))
+
+
+def _tiles(x: torch.Tensor) -> torch.Tensor:
+    """``[T, D]`` as ``[T / 16, D / 16, 16, 16]`` tiles (tokens on the rows)."""
+    t, d = x.shape
+    return x.reshape(t // TILE, TILE, d // TILE, TILE).permute(0, 2, 1, 3)
+
+
+def test_fragment_coords_are_ptx_m16n8k16_a_operand():
+    rows, cols = fragment_coords()
+    # PTX ISA: a0,a1 -> (groupID, 2 tid + i), a2,a3 -> (groupID + 8, ...), a4,a5 -> (groupID, 2 tid + 8 + i),
+    # a6,a7 -> (groupID + 8, 2 tid + 8 + i); register r holds halves a_{2r}, a_{2r+1}
+    for lane in (0, 5, 31):
+        g, t = lane // 4, lane % 4
+        want = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1), (g, 2 * t + 8), (g, 2 * t + 9),
+                (g + 8, 2 * t + 8), (g + 8, 2 * t + 9)]  # fmt: skip
+        assert list(zip(rows[lane].flatten().tolist(), cols[lane].flatten().tolist(), strict=True)) == want
+    cover = torch.zeros(TILE, TILE, dtype=torch.long)
+    cover.index_put_((rows.flatten(), cols.flatten()), torch.ones(256, dtype=torch.long), accumulate=True)
+    assert bool((cover == 1).all())  # every element once
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_pack_round_trips_and_keeps_the_bytes_per_token(bits):
+    codes = _codes(bits)
+    words = pack_fragments(codes, bits)
+    assert words.shape == (48 // TILE, 128 // (TILE * 4 // bits), 32)
+    assert int(words.min()) >= 0 and int(words.max()) < 2**32
+    assert words.numel() * 4 == codes.numel() * bits // 8  # the plain layout's bytes
+    assert torch.equal(unpack_fragments(words, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_both_operands_come_out_of_the_words(bits, dtype):
+    codes = _codes(bits, seed=1)
+    words = pack_fragments(codes, bits)
+    want = _tiles(codes.double() + magic_number(dtype))
+    assert torch.equal(operand_tiles(scores_operand(words, bits, dtype), dtype), want)
+    assert torch.equal(operand_tiles(output_operand(words, bits, dtype), dtype), want.transpose(-1, -2))
+
+
+def test_output_operand_needs_the_half_select():
+    # the byte permute takes half g % 2 of each word: with one selector for every lane the transpose is wrong
+    codes = _codes(4, seed=2)
+    words = pack_fragments(codes, 4)
+    assert byte_perm(torch.tensor(0x33221100), torch.tensor(0x77665544), torch.tensor(0x7632)).item() == 0x77663322
+    assert byte_perm(torch.tensor(0x33221100), torch.tensor(0x77665544), torch.tensor(0x5410)).item() == 0x55441100
+    import quantmla.kernels.fragment as frag
+
+    real = frag.byte_perm
+    try:
+        frag.byte_perm = lambda a, b, s: real(a, b, torch.full_like(s, 0x5410))
+        wrong = operand_tiles(output_operand(words, 4))
+    finally:
+        frag.byte_perm = real
+    assert not torch.equal(wrong, _tiles(codes.double() + 1024).transpose(-1, -2))
+
+
+def test_pack_refuses_what_it_cannot_hold():
+    for codes, bits, msg in ((_codes(4)[:40], 4, "multiple of 16"), (_codes(2)[:, :112], 2, "of 32"),
+                             (_codes(4) + 16, 4, r"\[0, 16\)"), (_codes(4), 3, "2 or 4")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            pack_fragments(codes, bits)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (2, 64), (4, 32)])
+def test_folded_products_of_the_fragment_operands_equal_the_dequantised_ones(bits, group):
+    # the v3 inner loop emulated from the register operands: scores tile by tile with one accumulator per
+    # group, scaled after; output with s o P as the other operand and the rank-1 terms (float64 throughout)
+    gen = torch.Generator().manual_seed(3)
+    tokens, dim, heads = 64, 128, 16
+    codes = _codes(bits, tokens, dim, seed=4)
+    scale = torch.rand(tokens, dim // group, generator=gen, dtype=torch.float64) * 0.2 + 1e-3
+    minimum = torch.randn(tokens, dim // group, generator=gen, dtype=torch.float64)
+    q = torch.randn(heads, dim, generator=gen, dtype=torch.float64)
+    p = torch.softmax(torch.randn(heads, tokens, generator=gen, dtype=torch.float64), -1)
+    words = pack_fragments(codes, bits)
+    a_s = operand_tiles(scores_operand(words, bits))  # [T/16, D/16, 16 tokens, 16 channels]
+    a_o = operand_tiles(output_operand(words, bits))  # [T/16, D/16, 16 channels, 16 tokens]
+    per = group // TILE  # channel tiles per group
+    x = dequantised(codes, scale, minimum, group)
+    mf = folded_minimum(scale, minimum, torch.float64)
+    qt = q.reshape(heads, dim // TILE, TILE)
+    scores = torch.zeros(tokens, heads, dtype=torch.float64)
+    out = torch.zeros(heads, dim, dtype=torch.float64)
+    for tb in range(tokens // TILE):
+        rows = slice(tb * TILE, (tb + 1) * TILE)
+        for g in range(dim // group):
+            acc = sum(a_s[tb, c] @ qt[:, c].T for c in range(g * per, (g + 1) * per))  # [16 tokens, heads]
+            qsum = q[:, g * group : (g + 1) * group].sum(-1)
+            scores[rows] += scale[rows, g, None] * acc + mf[rows, g, None] * qsum[None]
+            w = scale[rows, g][:, None] * p[:, rows].T  # (s o P)^T [16 tokens, heads]
+            for c in range(g * per, (g + 1) * per):
+                out[:, c * TILE : (c + 1) * TILE] += (a_o[tb, c] @ w).T
+            out[:, g * group : (g + 1) * group] += (p[:, rows] @ minimum[rows, g] - 1024 * w.sum(0))[:, None]
+    assert torch.allclose(scores, x @ q.T, rtol=0, atol=1e-10 * (x @ q.T).abs().max().item())
+    assert torch.allclose(out, p @ x, rtol=0, atol=1e-10 * (p @ x).abs().max().item())

@@ -1,0 +1,77 @@
+"""The Hopper extension's build guard (CPU) and the fragment probe on the tensor cores (H200): the v3 register
+operands built by the kernel's instructions from the fragment-ordered words, times a matrix, equal the tiles of
+``magic + code`` (and their transposes) times it, computed in float64 from the codes themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantmla.kernels.fragment import TILE, pack_fragments
+from quantmla.kernels.hopper import HopperUnavailable, extension, missing
+
+MISSING = missing()
+
+
+def test_unavailable_names_what_is_missing():
+    if MISSING is None:
+        pytest.skip("this machine has what the Hopper extensions need")
+    with pytest.raises(HopperUnavailable, match="need") as err:
+        extension("v3")
+    assert MISSING in str(err.value)
+    with pytest.raises(ValueError, match="valid: v3"):
+        extension("nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("output", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fragment_probe_on_the_tensor_cores(bits, output, dtype):
+    from quantmla.kernels.hopper.probe import fragment_probe
+
+    gen = torch.Generator().manual_seed(bits * 10 + int(output))
+    tokens, dim = 32, 128
+    codes = torch.randint(0, 2**bits, (tokens, dim), generator=gen)
+    b = torch.randn(TILE, TILE, generator=gen).to(dtype)
+    got = fragment_probe(pack_fragments(codes, bits), b, bits, output, dtype).double().cpu()
+    magic = 1024.0 if dtype == torch.float16 else 128.0
+    tiles = (codes.double() + magic).reshape(tokens // TILE, TILE, dim // TILE, TILE).permute(0, 2, 1, 3)
+    if output:
+        tiles = tiles.transpose(-1, -2)
+    want = (tiles @ b.double()).reshape(-1, TILE, TILE)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
+@pytest.mark.parametrize("per_cta", [64, 128])
+def test_tile_h16_against_float64(per_cta):
+    # the h = 16 prototype: scores and output of INT4 codes in groups of 64 against the dequantised products in
+    # float64, and against the folded arithmetic emulated with the kernel's rounding points
+    from quantmla.kernels.folded import dequantised, folded_output, folded_scores
+    from quantmla.kernels.hopper.tile import pack_h16, tile_h16
+
+    gen = torch.Generator().manual_seed(7)
+    tokens = 256
+    codes = torch.randint(0, 16, (tokens, 512), generator=gen)
+    scale = (torch.rand(tokens, 8, generator=gen) * 0.2 + 1e-3).half()
+    minimum = (torch.randn(tokens, 8, generator=gen) * 2).half()
+    q = torch.randn(16, 512, generator=gen).half()
+    p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
+    dev = torch.device("cuda")
+    scores, out = tile_h16(pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.to(dev), per_cta)
+    x = dequantised(codes, scale, minimum, 64)
+    s_ref, o_ref = x @ q.double().T, p.double() @ x
+    s_emu = folded_scores(codes, scale, minimum, q, 64, torch.float16, torch.float32).double()
+    o_emu = folded_output(codes, scale, minimum, p.double(), 64, torch.float16, torch.float32).double()
+    scores, out = scores.double().cpu(), out.double().cpu()
+    assert torch.allclose(scores, s_ref, rtol=0, atol=1e-4 * s_ref.abs().max().item())
+    assert torch.allclose(scores, s_emu, rtol=0, atol=1e-4 * s_ref.abs().max().item())
+    # bounds set before the first GPU run, from the arithmetic: scores carry 1024 x the codes in fp32 group
+    # accumulators (the emulation measured ~2e-6 of the scale, tests/kernels/test_folded.py); the output's 1024
+    # term cancels over 256 tokens in fp32 (worst case ~256 x 2^-24 x 100 absolute, ~3e-4 of the scale) and
+    # s o P is rounded to fp16 (2^-11 relative) against float64
+    assert torch.allclose(out, o_emu, rtol=0, atol=5e-4 * o_ref.abs().max().item())
+    assert torch.allclose(out, o_ref, rtol=0, atol=2e-3 * o_ref.abs().max().item())
