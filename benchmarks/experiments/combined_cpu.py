@@ -5,6 +5,8 @@ tokens, QuantMLA's layer stage 50 steps and model stage 30, evaluation on `quant
 
     python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4t
     python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4t --methods rtn,raq --model-seq-len 4096
+    python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4p128 --methods rtn,raq,quantmla-raq \
+        --rope-fit-seq-len 4096
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--scheme", default="c2g128q94r4t")
     ap.add_argument("--methods", default="rtn,raq,quantmla,quantmla-raq")
     ap.add_argument("--model-seq-len", type=int, default=None, help="calibrate's --model-seq-len (e.g. 4096)")
+    ap.add_argument("--rope-fit-seq-len", type=int, default=None, help="calibrate's --rope-fit-seq-len (e.g. 4096)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base, tok = quantmla.load(dtype=torch.float32)
@@ -39,7 +42,8 @@ def main() -> None:
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         model, rep = calibrate_model(copy.deepcopy(base), tok, calib, scheme=args.scheme, method=method,
-                                     model_seq_len=args.model_seq_len, **RECIPE)  # fmt: skip
+                                     model_seq_len=args.model_seq_len, rope_fit_seq_len=args.rope_fit_seq_len,
+                                     **RECIPE)  # fmt: skip
         secs = time.perf_counter() - t0
         cfg = PerplexityConfig(scheme=args.scheme if rep.codec is None else rep.codec, seq_len=4096, num_seqs=6,
                                spread=True, kl=True, per_window=True, batch_size=2)  # fmt: skip
@@ -56,6 +60,10 @@ def main() -> None:
             cmp = f"{100 * (r['ppl'] / rows['rtn']['ppl'] - 1):+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
         print(f"| {m} | `{args.scheme}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | {cmp} | "
               f"{r['calibration_s']:.0f} |")  # fmt: skip
+    if "raq" in rows and "quantmla-raq" in rows:
+        a, b = rows["raq"], rows["quantmla-raq"]
+        lo, hi = paired_bootstrap(a["window_nll"], b["window_nll"], 4095)
+        print(f"quantmla-raq vs raq: {100 * (b['ppl'] / a['ppl'] - 1):+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
