@@ -9,7 +9,8 @@
 # quantmla-raq (50 layer-stage steps), shortened to fit the session's device time; PART 3: quantmla-raq on saved
 # QuantMLA layer stages and RAQ-MLA fitted at 4,096 tokens, the calibration cost at DeepSeek-V2-Lite's shape;
 # PART 4: the combined method at the three budgets (RAQ-MLA's schemes) and token protection off, detached, over
-# two calls: DEADLINE covers both (e.g. 1000), the second call is `scripts/related_methods_gpu.sh 0 0 collect`.
+# two calls: DEADLINE covers both (e.g. 1000), the second call is `scripts/related_methods_gpu.sh 0 0 collect`;
+# PART 5: the combined method below 3 bits on part 4's saved layer stages, in one call.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -22,7 +23,7 @@ pack() {  # the saved layer stages travel as their own files (parts 4 and 5), no
     mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"
 }
 packer=
-case $PART in 1|2|3) (while sleep 20; do pack; done) & packer=$! ;; esac
+case $PART in 1|2|3|5) (while sleep 20; do pack; done) & packer=$! ;; esac
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30 - $(date +%s) + t0)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
@@ -77,6 +78,14 @@ if [ "$PART" = 4 ]; then
   echo "part 4 done at $(($(date +%s) - t0)) s"
   touch "$W/done"
   exit 0
+fi
+if [ "$PART" = 5 ]; then
+  # the combined method below 3 bits on the layer stages part 4 computed (carried in $STAGES, e.g.
+  # out/stages-new: c2q94r4p64 and c2g128q94r4p128), as part 4 runs it; one call of about ten minutes
+  R="--rope-fit-seq-len 4096 --layer-stages ${STAGES:-out/stages-new}"
+  run comb-27 quantmla-raq/c2q94r4p64 "$R"
+  run comb-25 quantmla-raq/c2g128q94r4p128 "$R"
+  end_part
 fi
 if [ "$PART" = 3 ]; then
   # the combined method on QuantMLA's saved layer stages (carried in $STAGES: c4r4, c2r4, c2g128q94r4t, 300
