@@ -174,8 +174,7 @@ def test_combined_method_carries_the_unfused_fit_exactly():
     # RAQ-MLA fitted on the unfused model, carried to QuantMLA's fused model as U^-1 A, quantises the same
     # values: the quantised float64 logits agree (a wrong U^-1, e.g. transposed, fails this). DeepSeek-V3's
     # module, as the other float64 tests: V2's RoPE runs in complex64, so its fused model differs at ~4e-7.
-    from quantmla.calibrate.combined import content_undo, pick, rope_undo
-    from quantmla.calibrate.objectives import latent_gain
+    from quantmla.calibrate.combined import pick, undo_maps
     from quantmla.models.adapter import get_adapter
 
     torch.manual_seed(0)
@@ -187,12 +186,9 @@ def test_combined_method_carries_the_unfused_fit_exactly():
     _, raq = calibrate_model(unfused, None, _ids(), scheme=scheme, method="raq", **TINY)
     _, rep = calibrate_model(fused, None, _ids(), scheme=scheme, method="quantmla", steps=6, model_steps=0, **TINY)
     adapter = get_adapter(unfused)
-    dims = adapter.dims(unfused.config)
-    pairs = adapter.rope_layout(unfused.config).cache_pairs(dims.rope_dim)
     chosen = rep.layer_stage.chosen
     assert any(not torch.equal(chosen[i][0].rotation, torch.diag(chosen[i][0].rotation.diagonal())) for i in chosen)
-    undo = [{"content": content_undo(chosen[i][0], latent_gain(adapter, attn)), "rope": rope_undo(chosen[i][1], pairs)}
-            for i, attn in adapter.attention_modules(unfused)]  # fmt: skip
+    undo = undo_maps(unfused, adapter, list(adapter.attention_modules(unfused)), chosen, ("content", "rope"))
     never = [{"content": {"val_after": float("inf")}, "rope": {"val_after": float("inf")}} for _ in undo]
     codec, rows = pick("carried", (raq.codec, never), (raq.codec, raq.layers), undo)
     assert all(r[p]["basis"] == "unfused" for r in rows for p in ("content", "rope"))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantmla.calibrate.combined import content_undo, pick, rope_undo
+from quantmla.calibrate.combined import pick, undo_maps
 from quantmla.calibrate.methods import (
     ORIGINAL,
     LearnConfig,
@@ -215,12 +215,7 @@ def calibrate_model(
         raq_cfg = replace(cfg, method="raq")
         long = _rope_fit_windows(cfg, train_w, val_w)
         unfused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long)[:2]
-        dims = adapter.dims(model.config)
-        pairs = adapter.rope_layout(model.config).cache_pairs(dims.rope_dim)
-        undo = [{"content": content_undo(chosen[idx][0], latent_gain(adapter, attn)) if "content" in cfg.paths
-                 else torch.eye(dims.kv_lora_rank, dtype=torch.float64),
-                 "rope": rope_undo(chosen[idx][1], pairs) if "rope" in cfg.paths
-                 else torch.eye(dims.rope_dim, dtype=torch.float64)} for idx, attn in modules]  # fmt: skip
+        undo = undo_maps(model, adapter, modules, chosen, cfg.paths)
     for idx, attn in modules:
         if "content" in cfg.paths:
             fuse_content(adapter, attn, chosen[idx][0])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from quantmla.calibrate.objectives import latent_gain
 from quantmla.quant.codec import MAX_CONDITION, LayerCodec, ModelCodec, PathCodec
 from quantmla.transforms.fuse import ContentTransform, RopeTransform
 
@@ -31,6 +32,18 @@ def content_undo(t: ContentTransform, gain: torch.Tensor) -> torch.Tensor:
 def rope_undo(t: RopeTransform, cache_pairs: torch.Tensor) -> torch.Tensor:
     """``B^-1``: maps the fused model's cached RoPE key ``k B`` back to ``k``."""
     return t.inverse_matrix(cache_pairs.to(t.angles.device)).double().cpu()
+
+
+def undo_maps(model, adapter, modules, chosen: dict, paths) -> list[dict[str, torch.Tensor]]:
+    """Per layer (in ``modules`` order) and path, ``U^-1`` of the transforms ``chosen[idx]`` that will be fused
+    into the still unfused ``model`` (the identity for a path in none of ``paths``)."""
+    dims = adapter.dims(model.config)
+    pairs = adapter.rope_layout(model.config).cache_pairs(dims.rope_dim)
+    eye = {p: torch.eye(d, dtype=torch.float64) for p, d in (("content", dims.kv_lora_rank), ("rope", dims.rope_dim))}
+    return [{"content": content_undo(chosen[idx][0], latent_gain(adapter, attn)) if "content" in paths
+             else eye["content"],
+             "rope": rope_undo(chosen[idx][1], pairs) if "rope" in paths else eye["rope"]}
+            for idx, attn in modules]  # fmt: skip
 
 
 def carried(codec: PathCodec, undo: torch.Tensor) -> PathCodec | None:

@@ -7,35 +7,19 @@
 // -cubin` compiles it alone.
 #include <cstdint>
 
-namespace quantmla {
+#include "fragment.cuh"
 
-__device__ __forceinline__ uint32_t magic_pair(uint32_t w, int shift, uint32_t mask, uint32_t magic) {
-  uint32_t r;
-  asm volatile("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w >> shift), "r"(mask), "r"(magic));  // (a & b) | c
-  return r;
-}
+namespace quantmla {
 
 template <int BITS, bool OUTPUT, bool BF16>
 __global__ void fragment_probe_kernel(const uint32_t* __restrict__ words, const uint16_t* __restrict__ b,
                                       float* __restrict__ d) {
   constexpr int K = 4 / BITS;  // tiles per word
-  constexpr uint32_t MASK = ((1u << BITS) - 1) * 0x00010001u;
   constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
   const int tile = blockIdx.x, lane = threadIdx.x, g = lane >> 2, t = lane & 3;
-  const int j = tile % K;
   const uint32_t* wp = words + (tile / K) * 32;
-  uint32_t c;
-  if (OUTPUT) {  // tokens 2t, 2t+8 from lane (2t, g/2); 2t+1, 2t+9 from lane (2t+1, g/2); half g % 2 of each
-    c = __byte_perm(wp[4 * (2 * t) + g / 2], wp[4 * (2 * t + 1) + g / 2], (g & 1) ? 0x7632 : 0x5410);
-  } else {
-    c = wp[lane];
-  }
   uint32_t a[4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int pos = OUTPUT ? ((r == 1) ? 2 : (r == 2) ? 1 : r) : r;
-    a[r] = magic_pair(c, BITS * (4 * j + pos), MASK, MAGIC);
-  }
+  operand<BITS, OUTPUT>(a, OUTPUT ? output_word(wp, lane) : wp[lane], tile % K, MAGIC);
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb) {  // B [16 x 16] (K x N) row-major raw 16-bit patterns; fragment "col"
     const int n = nb * 8 + g;

@@ -15,16 +15,13 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 
+#include "fragment.cuh"
+
 namespace quantmla {
 namespace h16 {
 
 constexpr int HEADS = 16, DIM = 512, GROUP = 64, GROUPS = DIM / GROUP, TILES = DIM / 16, STEP = 64;
-
-__device__ __forceinline__ uint32_t magic_pair(uint32_t w, int shift) {
-  uint32_t r;
-  asm volatile("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w >> shift), "r"(0x000F000Fu), "r"(0x64006400u));
-  return r;
-}
+constexpr uint32_t MAGIC = 0x64006400u;  // fp16 operands
 
 // sm90 shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets
 __device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
@@ -91,9 +88,7 @@ __global__ void __launch_bounds__(128) tile_h16_kernel(const uint32_t* __restric
       uint32_t a[4][4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const uint32_t w = words[(size_t(tb) * TILES + 4 * g + c) * 32 + lane];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[c][r] = magic_pair(w, 4 * r);
+        operand<4, false>(a[c], words[(size_t(tb) * TILES + 4 * g + c) * 32 + lane], 0, MAGIC);
       }
       wgmma_fence();
 #pragma unroll
@@ -125,17 +120,9 @@ __global__ void __launch_bounds__(128) tile_h16_kernel(const uint32_t* __restric
 #pragma unroll  // acc_o[g] must stay in registers: g known at compile time
     for (int g = 0; g < GROUPS; ++g) {
       uint32_t a[4][4];
-      const int lane_g = lane >> 2, lane_t = lane & 3;
 #pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {  // the tile (tokens t0 + 16 kt.., channels 64 g + 16 warp..) transposed
-        const uint32_t* wp = words + (size_t(t0 / 16 + kt) * TILES + 4 * g + warp) * 32;
-        const uint32_t c = __byte_perm(wp[4 * (2 * lane_t) + lane_g / 2], wp[4 * (2 * lane_t + 1) + lane_g / 2],
-                                       (lane_g & 1) ? 0x7632 : 0x5410);
-        a[kt][0] = magic_pair(c, 0);
-        a[kt][1] = magic_pair(c, 8);
-        a[kt][2] = magic_pair(c, 4);
-        a[kt][3] = magic_pair(c, 12);
-      }
+      for (int kt = 0; kt < 4; ++kt)  // the tile (tokens t0 + 16 kt.., channels 64 g + 16 warp..) transposed
+        operand<4, true>(a[kt], output_word(words + (size_t(t0 / 16 + kt) * TILES + 4 * g + warp) * 32, lane), 0, MAGIC);
       wgmma_fence();
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) wgmma_m64n16k16(acc_o[g], a[kt], smem_desc(w_smem + g * 2048 + kt * 512, lbo, sbo), 1);

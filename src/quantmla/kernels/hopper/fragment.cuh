@@ -1,0 +1,33 @@
+// The fragment-ordered pack layout's register operands (quantmla/kernels/fragment.py), shared by the Hopper
+// kernels: a 16 x 16 tile of codes is 32 words in lane order, code (r, e) of tile j at bit 16 e + bits (4 j + r).
+#pragma once
+#include <cstdint>
+
+namespace quantmla {
+
+// two fp16 (or bf16) values magic + code from the code pair at `shift`: one shift and one lop3, (a & b) | c
+__device__ __forceinline__ uint32_t magic_pair(uint32_t w, int shift, uint32_t mask, uint32_t magic) {
+  uint32_t r;
+  asm volatile("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(r) : "r"(w >> shift), "r"(mask), "r"(magic));
+  return r;
+}
+
+// the word whose code pairs the output product's (transposed) operand reads, for lane (g, t) of the tile at
+// `wp`: tokens 2t, 2t+8 from lane (2t, g/2), 2t+1, 2t+9 from lane (2t+1, g/2), half g % 2 of each
+__device__ __forceinline__ uint32_t output_word(const uint32_t* wp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  return __byte_perm(wp[4 * (2 * t) + g / 2], wp[4 * (2 * t + 1) + g / 2], (g & 1) ? 0x7632 : 0x5410);
+}
+
+// the A operand's four registers of tile j of word c; the output operand reads positions (0, 2, 1, 3)
+template <int BITS, bool OUTPUT>
+__device__ __forceinline__ void operand(uint32_t (&a)[4], uint32_t c, int j, uint32_t magic) {
+  constexpr uint32_t MASK = ((1u << BITS) - 1) * 0x00010001u;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int pos = OUTPUT ? ((r == 1) ? 2 : (r == 2) ? 1 : r) : r;
+    a[r] = magic_pair(c, BITS * (4 * j + pos), MASK, magic);
+  }
+}
+
+}  // namespace quantmla
