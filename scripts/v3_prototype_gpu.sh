@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Issue 19 on the H200 in one device call: the Hopper extension's JIT build, the fragment probe and the h = 16
-# prototype against float64 (tests/kernels/test_hopper_probe.py), then the prototype's timing
-# (benchmarks/experiments/v3_tile_h16.py) and ptxas' resource report.
+# Issue 19 on the H200 in one device call: ptxas' resource report of the prototypes, the Hopper extension's JIT
+# build, the fragment probe and the h = 16 prototypes against float64 (tests/kernels/test_hopper_probe.py), the
+# prototypes' timing side by side (benchmarks/experiments/v3_tile_h16.py), then Nsight Compute's view of the
+# pipelined one (one launch; its report into $OUT when set).
 # usage (on the device): bash scripts/v3_prototype_gpu.sh
 set -u
 export PYTHONPATH=src
-nvcc -gencode arch=compute_90a,code=sm_90a -cubin -O3 -std=c++17 -Xptxas -v -o /tmp/tile.cubin \
-  src/quantmla/kernels/hopper/tile_h16.cu 2>&1 | grep -E "registers|spill|stack"
+for f in tile_h16 stream_h16; do
+  echo "== ptxas $f"
+  nvcc -gencode arch=compute_90a,code=sm_90a -cubin -O3 -std=c++17 --use_fast_math -Xptxas -v -o /tmp/$f.cubin \
+    src/quantmla/kernels/hopper/$f.cu 2>&1 | grep -E "registers|spill|stack|Potential"
+done
 python -m pytest -q -x tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py -rs 2>&1 | tail -15
 python benchmarks/experiments/v3_tile_h16.py
+ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+  --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \
+  --section ComputeWorkloadAnalysis --section SchedulerStats --metrics smsp__inst_executed.sum \
+  python benchmarks/experiments/v3_tile_h16.py --per-cta 8000 2>&1 | grep -v "^==PROF==" | tail -80

@@ -1,9 +1,13 @@
-"""Experiment (issue 19): the decode kernel v3's h = 16 inner loop prototype (``kernels/hopper/tile_h16.cu``) on
-the H200, timed beside the bandwidth the cache allows: B x L tokens of an INT4 content latent (512 channels,
-groups of 64) through both wgmma products with folded scales. The prototype also reads P and writes the scores
-(16 + 32 B a token that the real kernel keeps on chip), so two bandwidths are printed.
+"""Experiment (issue 19): the decode kernel v3's h = 16 inner loop prototypes on the H200, side by side, timed
+beside the bandwidth the cache allows: B x L tokens of an INT4 content latent (512 channels, groups of 64)
+through both wgmma products with folded scales. ``tile`` (``kernels/hopper/tile_h16.cu``) loads each step
+synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, with the scores written out
+(``stream+scores``) or not. The prototypes also read P (32 B a token) and may write the scores (64 B a token),
+which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
 
-    PYTHONPATH=src python benchmarks/experiments/v3_tile_h16.py --tokens 2097152 --per-cta 4096 8192 16384
+    PYTHONPATH=src python benchmarks/experiments/v3_tile_h16.py --tokens 2097152 --per-cta 4096 8000 8192 16384
+
+The time is the extension's call alone (its output allocations included, not the sum over CTAs).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import torch
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32 * 65536, help="B x L (default: B = 32, L = 64K)")
-    ap.add_argument("--per-cta", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--per-cta", type=int, nargs="+", default=[4096, 8000, 8192, 16384])
     args = ap.parse_args()
     from triton.testing import do_bench
 
-    from quantmla.kernels.hopper.tile import tile_h16
+    from quantmla.kernels.hopper.build import extension
+    from quantmla.kernels.hopper.tile import LBO, SBO
 
     dev = torch.device("cuda")
     t = args.tokens
@@ -31,13 +36,23 @@ def main() -> None:
     minimum = torch.randn(t, 8, device=dev, generator=gen).half()
     q = torch.randn(16, 512, device=dev, generator=gen).half()
     p = (torch.rand(16, t, device=dev, generator=gen) / t).half()
+    p_t = p.T.contiguous()
     cache_bytes = t * (256 + 8 * 4)  # codes + fp16 scale and minimum per group
-    all_bytes = cache_bytes + t * (16 * 2 + 16 * 4)  # + P read + scores written
+    ext, stream = extension("v3"), torch.cuda.current_stream(dev).cuda_stream
+    kernels = {  # name -> (the extension's call alone, bytes moved besides the cache: P read, scores written)
+        "tile": (lambda per: ext.tile_h16(words, scale, minimum, q, p, per, LBO, SBO, stream), t * (16 * 2 + 16 * 4)),
+        "stream+scores": (
+            lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, True, LBO, SBO, stream),
+            t * (16 * 2 + 16 * 4),
+        ),
+        "stream": (lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, False, LBO, SBO, stream), t * 16 * 2),
+    }
     for per in args.per_cta:
-        ms = do_bench(lambda per=per: tile_h16(words, scale, minimum, q, p, per), warmup=25, rep=200)
-        row = {"tokens": t, "per_cta": per, "ctas": -(-t // per), "us": ms * 1e3,
-               "cache_TBps": cache_bytes / ms / 1e9, "all_TBps": all_bytes / ms / 1e9}  # fmt: skip
-        print(json.dumps(row), flush=True)
+        for name, (call, extra) in kernels.items():
+            ms = do_bench(lambda call=call, per=per: call(per), warmup=25, rep=200)
+            row = {"kernel": name, "tokens": t, "per_cta": per, "ctas": -(-t // per), "us": ms * 1e3,
+                   "cache_TBps": cache_bytes / ms / 1e9, "all_TBps": (cache_bytes + extra) / ms / 1e9}  # fmt: skip
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,21 @@ def test_both_operands_come_out_of_the_words(bits, dtype):
     assert torch.equal(operand_tiles(output_operand(words, bits, dtype), dtype), want.transpose(-1, -2))
 
 
+def test_one_shift_operands_carry_16u_on_tokens_8_to_15():
+    # operand4_x16 (the pipelined Hopper prototype): the high code of each byte read in place is 16 u, in both
+    # products on tokens 8-15 of each tile, which the kernel's scales then divide by 16
+    codes = _codes(4, seed=3)
+    words = pack_fragments(codes, 4)
+    weight = torch.ones(TILE, dtype=torch.float64)
+    weight[8:] = 16
+    want = _tiles(codes.double()) * weight[:, None] + 1024  # tokens on the rows
+    assert torch.equal(operand_tiles(scores_operand(words, 4, x16=True)), want)
+    assert torch.equal(operand_tiles(output_operand(words, 4, x16=True)), want.transpose(-1, -2))
+    assert not torch.equal(operand_tiles(scores_operand(words, 4)), want)
+    with pytest.raises(ValueError, match="INT4 codes and fp16"):
+        scores_operand(words, 4, torch.bfloat16, x16=True)
+
+
 def test_output_operand_needs_the_half_select():
     # the byte permute takes half g % 2 of each word: with one selector for every lane the transpose is wrong
     codes = _codes(4, seed=2)

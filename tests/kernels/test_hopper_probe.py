@@ -46,12 +46,14 @@ def test_fragment_probe_on_the_tensor_cores(bits, output, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("per_cta", [64, 128])
-def test_tile_h16_against_float64(per_cta):
-    # the h = 16 prototype: scores and output of INT4 codes in groups of 64 against the dequantised products in
-    # float64, and against the folded arithmetic emulated with the kernel's rounding points
+@pytest.mark.parametrize("kernel", ["tile", "stream"])
+@pytest.mark.parametrize("per_cta", [64, 128, 256])
+def test_h16_prototypes_against_float64(kernel, per_cta):
+    # the h = 16 prototypes: scores and output of INT4 codes in groups of 64 against the dequantised products in
+    # float64, and against the folded arithmetic emulated with the kernel's rounding points; 256 tokens a CTA are
+    # four steps, one more than the pipelined kernel's stages (its ring of copies wraps)
     from quantmla.kernels.folded import dequantised, folded_output, folded_scores
-    from quantmla.kernels.hopper.tile import pack_h16, tile_h16
+    from quantmla.kernels.hopper.tile import pack_h16, stream_h16, tile_h16
 
     gen = torch.Generator().manual_seed(7)
     tokens = 256
@@ -61,7 +63,13 @@ def test_tile_h16_against_float64(per_cta):
     q = torch.randn(16, 512, generator=gen).half()
     p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
     dev = torch.device("cuda")
-    scores, out = tile_h16(pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.to(dev), per_cta)
+    args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev)
+    if kernel == "tile":
+        scores, out = tile_h16(*args, p.to(dev), per_cta)
+    else:
+        scores, out = stream_h16(*args, p.T.contiguous().to(dev), per_cta)
+        no_scores, same_out = stream_h16(*args, p.T.contiguous().to(dev), per_cta, write_scores=False)
+        assert no_scores.shape == (0, 16) and torch.equal(same_out, out)  # deterministic: no atomics
     x = dequantised(codes, scale, minimum, 64)
     s_ref, o_ref = x @ q.double().T, p.double() @ x
     s_emu = folded_scores(codes, scale, minimum, q, 64, torch.float16, torch.float32).double()

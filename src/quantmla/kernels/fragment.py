@@ -99,9 +99,23 @@ def _registers(c: torch.Tensor, positions, bits: int, dtype: torch.dtype) -> tor
     return ((c[..., None, None] >> shift) & mask) | MAGIC_PAIRS[dtype]
 
 
-def scores_operand(words: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """``[T / 16, D / 16, 32, 4]`` register patterns of the scores product's A operand (tokens on the rows)."""
-    regs = _registers(words, (0, 1, 2, 3), bits, dtype)  # [nt, nw, 32, k, 4]
+def _registers_x16(c: torch.Tensor, positions, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """INT4, fp16: position ``p`` read as ``((c >> 8 (p // 2)) & (0x000F000F << 4 (p % 2))) | magic``, one shift a
+    word; the odd positions (a byte's high code) come out as ``1024 + 16 u`` (``operand4_x16`` in
+    ``hopper/fragment.cuh``)."""
+    if bits != 4 or dtype != torch.float16:
+        raise ValueError(f"the one-shift operand needs INT4 codes and fp16 operands, got {bits} bits, {dtype}")
+    p = torch.tensor(positions)
+    shift, mask = 8 * (p // 2), 0x000F000F << (4 * (p % 2))
+    return (((c[..., None] >> shift) & mask) | MAGIC_PAIRS[dtype])[..., None, :]  # [..., k = 1, 4]
+
+
+def scores_operand(
+    words: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16, x16: bool = False
+) -> torch.Tensor:
+    """``[T / 16, D / 16, 32, 4]`` register patterns of the scores product's A operand (tokens on the rows).
+    With ``x16`` (INT4, fp16) the one-shift form: tokens 8-15 of each tile carry ``16 u``."""
+    regs = (_registers_x16 if x16 else _registers)(words, (0, 1, 2, 3), bits, dtype)  # [nt, nw, 32, k, 4]
     return regs.permute(0, 1, 3, 2, 4).reshape(words.shape[0], -1, LANES, 4)
 
 
@@ -116,15 +130,18 @@ def byte_perm(a: torch.Tensor, b: torch.Tensor, selector: torch.Tensor) -> torch
     return out
 
 
-def output_operand(words: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def output_operand(
+    words: torch.Tensor, bits: int, dtype: torch.dtype = torch.float16, x16: bool = False
+) -> torch.Tensor:
     """``[T / 16, D / 16, 32, 4]`` register patterns of the output product's A operand: each tile transposed
-    (channels on the rows), from two words of the tile and one byte permute per lane."""
+    (channels on the rows), from two words of the tile and one byte permute per lane. With ``x16`` (INT4, fp16)
+    the one-shift form: tokens 8-15 (the columns) carry ``16 u``."""
     lane = torch.arange(LANES)
     g, t = lane // 4, lane % 4
     a = words[..., 4 * (2 * t) + g // 2]  # tokens 2t and 2t+8
     b = words[..., 4 * (2 * t + 1) + g // 2]  # tokens 2t+1 and 2t+9
     c = byte_perm(a, b, torch.where(g % 2 == 1, 0x7632, 0x5410))
-    regs = _registers(c, OUTPUT_POSITIONS, bits, dtype)  # [nt, nw, 32, k, 4]
+    regs = (_registers_x16 if x16 else _registers)(c, OUTPUT_POSITIONS, bits, dtype)  # [nt, nw, 32, k, 4]
     return regs.permute(0, 1, 3, 2, 4).reshape(words.shape[0], -1, LANES, 4)
 
 

@@ -6,6 +6,9 @@ extern "C" int quantmla_fragment_probe(const uint32_t* words, const uint16_t* b,
 extern "C" int quantmla_tile_h16(const uint32_t* words, const void* scale, const void* minimum, const void* q,
                                  const void* p, float* scores, float* partial, float* rank1, int tokens, int per_cta,
                                  int ctas, unsigned lbo, unsigned sbo, void* stream);
+extern "C" int quantmla_stream_h16(const uint32_t* words, const void* scale, const void* minimum, const void* q,
+                                   const void* p, float* scores, float* partial, float* rank1, int tokens,
+                                   int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo, void* stream);
 
 // `stream`: the caller's current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so the
 // binding needs no CUDA headers
@@ -53,7 +56,35 @@ std::vector<torch::Tensor> tile_h16(torch::Tensor words, torch::Tensor scale, to
   return {scores, partial, rank1};
 }
 
+// the pipelined h = 16 prototype: as tile_h16, but p token-major [T, 16] (the scores' accumulator order), the
+// scores written only when write_scores (else an empty tensor)
+std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, torch::Tensor minimum, torch::Tensor q,
+                                      torch::Tensor p, int64_t per_cta, bool write_scores, int64_t lbo, int64_t sbo,
+                                      int64_t stream) {
+  const int64_t tokens = scale.size(0);
+  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
+                  words.numel() == tokens / 16 * 32 * 32,
+              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
+  for (const auto& t : {scale, minimum, q, p})
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+  TORCH_CHECK(scale.sizes() == minimum.sizes() && scale.size(1) == 8, "scale and minimum must be [tokens, 8]");
+  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(0) == tokens && p.size(1) == 16, "q [16, 512], p [T, 16]");
+  const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
+  auto f32 = words.options().dtype(torch::kFloat32);
+  auto scores = torch::empty({write_scores ? tokens : 0, 16}, f32);
+  auto partial = torch::empty({ctas, 16, 512}, f32);
+  auto rank1 = torch::empty({ctas, 16, 8}, f32);
+  const int rc = quantmla_stream_h16(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), scale.data_ptr(),
+                                     minimum.data_ptr(), q.data_ptr(), p.data_ptr(), scores.data_ptr<float>(),
+                                     partial.data_ptr<float>(), rank1.data_ptr<float>(), static_cast<int>(tokens),
+                                     static_cast<int>(per_cta), ctas, write_scores ? 1 : 0, static_cast<unsigned>(lbo),
+                                     static_cast<unsigned>(sbo), reinterpret_cast<void*>(stream));
+  TORCH_CHECK(rc == 0, "stream_h16 launch failed (", rc, "; -2: tokens and per_cta must be multiples of 64)");
+  return {scores, partial, rank1};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fragment_probe", &fragment_probe);
   m.def("tile_h16", &tile_h16);
+  m.def("stream_h16", &stream_h16);
 }

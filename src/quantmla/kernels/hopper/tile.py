@@ -1,6 +1,8 @@
-"""The decode kernel v3's h = 16 inner loop (``tile_h16.cu``), prototype: scores and the probability-weighted
-output of an INT4 content latent (512 channels, groups of 64) in the fragment-ordered layout, with the scales
-folded out of both wgmma products. ``P`` is given (no softmax): the prototype measures the products."""
+"""The decode kernel v3's h = 16 inner loop, prototypes: scores and the probability-weighted output of an INT4
+content latent (512 channels, groups of 64) in the fragment-ordered layout, with the scales folded out of both
+wgmma products. ``P`` is given (no softmax): the prototypes measure the products. ``tile_h16.cu`` loads each
+step synchronously; ``stream_h16.cu`` copies the steps ahead with cp.async, keeps two groups' products in flight
+and builds ``s o P`` from registers in the scores' layout."""
 
 from __future__ import annotations
 
@@ -24,5 +26,20 @@ def tile_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q:
     """``(S^T [T, 16], O [16, 512])`` fp32 on the GPU; inputs fp16 CUDA (``words`` from :func:`pack_h16`)."""
     stream = torch.cuda.current_stream(words.device).cuda_stream
     scores, partial, rank1 = extension("v3").tile_h16(words, scale, minimum, q, p, per_cta, lbo, sbo, stream)
-    out = partial.sum(0) + rank1.sum(0).repeat_interleave(64, dim=1)
-    return scores, out
+    return scores, _output(partial, rank1)
+
+
+def stream_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
+               per_cta: int = 1024, write_scores: bool = True, lbo: int = LBO, sbo: int = SBO,
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """As :func:`tile_h16` through the pipelined kernel; ``p_t`` token-major ``[T, 16]``. Without
+    ``write_scores`` the scores are not stored (an empty ``[0, 16]`` tensor comes back)."""
+    stream = torch.cuda.current_stream(words.device).cuda_stream
+    scores, partial, rank1 = extension("v3").stream_h16(words, scale, minimum, q, p_t, per_cta, write_scores, lbo, sbo,
+                                                        stream)  # fmt: skip
+    return scores, _output(partial, rank1)
+
+
+def _output(partial: torch.Tensor, rank1: torch.Tensor) -> torch.Tensor:
+    """``O [16, 512]``: the CTAs' partial products plus their rank-1 terms, broadcast over each group's channels."""
+    return partial.sum(0) + rank1.sum(0).repeat_interleave(64, dim=1)

@@ -16,37 +16,13 @@
 #include <cuda_fp16.h>
 
 #include "fragment.cuh"
+#include "sm90.cuh"
 
 namespace quantmla {
 namespace h16 {
 
 constexpr int HEADS = 16, DIM = 512, GROUP = 64, GROUPS = DIM / GROUP, TILES = DIM / 16, STEP = 64;
 constexpr uint32_t MAGIC = 0x64006400u;  // fp16 operands
-
-// sm90 shared-memory matrix descriptor, no swizzle: start, leading (K) and stride (M/N) byte offsets
-__device__ __forceinline__ uint64_t smem_desc(const void* p, uint32_t lbo, uint32_t sbo) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((sbo & 0x3FFFF) >> 4) << 32);
-}
-
-// byte offset of element (n, k) of a K-major operand laid out as 8 x 8 core matrices (16 B rows along K),
-// core matrix (k / 8, n / 8) at ((k / 8) * 2 + n / 8) * 128: N = 16, so the next core matrix along K is 256 B
-// away (LBO) and along N 128 B (SBO)
-__device__ __forceinline__ int core_offset(int n, int k) { return ((k >> 3) * 2 + (n >> 3)) * 128 + (n & 7) * 16 + (k & 7) * 2; }
-
-__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %12, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %13, p, 1, 1, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(accumulate), "l"(desc));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void async_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // words [T/16][32 tiles][32 lanes]; scale, minimum [T][8] fp16; q [16][512] fp16; p [16][T] fp16;
 // scores [T][16] fp32; partial [ctas][16][512] fp32; rank1 [ctas][16][8] fp32
