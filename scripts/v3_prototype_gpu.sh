@@ -10,6 +10,9 @@ for f in tile_h16 stream_h16; do
   echo "== ptxas $f"
   nvcc -gencode arch=compute_90a,code=sm_90a -cubin -O3 -std=c++17 --use_fast_math -Xptxas -v -o /tmp/$f.cubin \
     src/quantmla/kernels/hopper/$f.cu 2>&1 | grep -E "registers|spill|stack|Potential"
+  echo "SASS instructions of $f (static, top 24):"  # the loop body's mix; the step loop runs once a 64-token step
+  cuobjdump -sass /tmp/$f.cubin | grep -oE '^\s+/\*[0-9a-f]{4,5}\*/\s+[A-Z][A-Z0-9._]*' | awk '{print $2}' |
+    sed -E 's/\..*//' | sort | uniq -c | sort -rn | head -24 | paste -sd' '
 done
 python -m pytest -q -x tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py -rs 2>&1 | tail -15
 python benchmarks/experiments/v3_tile_h16.py
