@@ -16,7 +16,11 @@ for f in tile_h16 stream_h16; do
 done
 python -m pytest -q -x tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py -rs 2>&1 | tail -15
 python benchmarks/experiments/v3_tile_h16.py
-ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-  --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \
-  --section ComputeWorkloadAnalysis --section SchedulerStats --metrics smsp__inst_executed.sum \
-  python benchmarks/experiments/v3_tile_h16.py --per-cta 8000 2>&1 | grep -v "^==PROF==" | tail -80
+for k in stream stream-v1; do
+  echo "== ncu $k"
+  ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \
+    --section ComputeWorkloadAnalysis --section SchedulerStats --metrics smsp__inst_executed.sum \
+    python benchmarks/experiments/v3_tile_h16.py --per-cta 8000 --kernels $k 2>&1 | grep -v "^==PROF==" |
+    grep -vE "^\s*-+\s*-+|^\s*$" | tail -70
+done

@@ -2,7 +2,8 @@
 beside the bandwidth the cache allows: B x L tokens of an INT4 content latent (512 channels, groups of 64)
 through both wgmma products with folded scales. ``tile`` (``kernels/hopper/tile_h16.cu``) loads each step
 synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, with the scores written out
-(``stream+scores``) or not. The prototypes also read P (32 B a token) and may write the scores (64 B a token),
+(``stream+scores``) or not; ``stream-v1`` stores ``s o P`` by ``stmatrix`` and takes the magic number's 1024
+off on the tensor cores. The prototypes also read P (32 B a token) and may write the scores (64 B a token),
 which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
 
     PYTHONPATH=src python benchmarks/experiments/v3_tile_h16.py --tokens 2097152 --per-cta 4096 8000 8192 16384
@@ -22,6 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32 * 65536, help="B x L (default: B = 32, L = 64K)")
     ap.add_argument("--per-cta", type=int, nargs="+", default=[4096, 8000, 8192, 16384])
+    ap.add_argument("--kernels", nargs="+", default=None, help="which of them (default: all)")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -42,13 +44,22 @@ def main() -> None:
     kernels = {  # name -> (the extension's call alone, bytes moved besides the cache: P read, scores written)
         "tile": (lambda per: ext.tile_h16(words, scale, minimum, q, p, per, LBO, SBO, stream), t * (16 * 2 + 16 * 4)),
         "stream+scores": (
-            lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, True, LBO, SBO, stream),
+            lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, True, 0, LBO, SBO, stream),
             t * (16 * 2 + 16 * 4),
         ),
-        "stream": (lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, False, LBO, SBO, stream), t * 16 * 2),
+        "stream": (
+            lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, False, 0, LBO, SBO, stream),
+            t * 16 * 2,
+        ),
+        "stream-v1": (
+            lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, False, 1, LBO, SBO, stream),
+            t * 16 * 2,
+        ),
     }
     for per in args.per_cta:
         for name, (call, extra) in kernels.items():
+            if args.kernels and name not in args.kernels:
+                continue
             ms = do_bench(lambda call=call, per=per: call(per), warmup=25, rep=200)
             row = {"kernel": name, "tokens": t, "per_cta": per, "ctas": -(-t // per), "us": ms * 1e3,
                    "cache_TBps": cache_bytes / ms / 1e9, "all_TBps": (cache_bytes + extra) / ms / 1e9}  # fmt: skip

@@ -46,7 +46,7 @@ def test_fragment_probe_on_the_tensor_cores(bits, output, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("kernel", ["tile", "stream"])
+@pytest.mark.parametrize("kernel", ["tile", "stream", "stream-v1"])
 @pytest.mark.parametrize("per_cta", [64, 128, 256])
 def test_h16_prototypes_against_float64(kernel, per_cta):
     # the h = 16 prototypes: scores and output of INT4 codes in groups of 64 against the dequantised products in
@@ -67,8 +67,9 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
     if kernel == "tile":
         scores, out = tile_h16(*args, p.to(dev), per_cta)
     else:
-        scores, out = stream_h16(*args, p.T.contiguous().to(dev), per_cta)
-        no_scores, same_out = stream_h16(*args, p.T.contiguous().to(dev), per_cta, write_scores=False)
+        variant = int(kernel == "stream-v1")
+        scores, out = stream_h16(*args, p.T.contiguous().to(dev), per_cta, variant=variant)
+        no_scores, same_out = stream_h16(*args, p.T.contiguous().to(dev), per_cta, write_scores=False, variant=variant)
         assert no_scores.shape == (0, 16) and torch.equal(same_out, out)  # deterministic: no atomics
     x = dequantised(codes, scale, minimum, 64)
     s_ref, o_ref = x @ q.double().T, p.double() @ x

@@ -8,7 +8,8 @@ extern "C" int quantmla_tile_h16(const uint32_t* words, const void* scale, const
                                  int ctas, unsigned lbo, unsigned sbo, void* stream);
 extern "C" int quantmla_stream_h16(const uint32_t* words, const void* scale, const void* minimum, const void* q,
                                    const void* p, float* scores, float* partial, float* rank1, int tokens,
-                                   int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo, void* stream);
+                                   int per_cta, int ctas, int write_scores, int variant, unsigned lbo, unsigned sbo,
+                                   void* stream);
 
 // `stream`: the caller's current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so the
 // binding needs no CUDA headers
@@ -57,10 +58,11 @@ std::vector<torch::Tensor> tile_h16(torch::Tensor words, torch::Tensor scale, to
 }
 
 // the pipelined h = 16 prototype: as tile_h16, but p token-major [T, 16] (the scores' accumulator order), the
-// scores written only when write_scores (else an empty tensor)
+// scores written only when write_scores (else an empty tensor); variant 1: stmatrix W, the magic's 1024 taken off
+// on the tensor cores (the rank-1 terms then hold sum_t m P only)
 std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, torch::Tensor minimum, torch::Tensor q,
-                                      torch::Tensor p, int64_t per_cta, bool write_scores, int64_t lbo, int64_t sbo,
-                                      int64_t stream) {
+                                      torch::Tensor p, int64_t per_cta, bool write_scores, int64_t variant,
+                                      int64_t lbo, int64_t sbo, int64_t stream) {
   const int64_t tokens = scale.size(0);
   TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
                   words.numel() == tokens / 16 * 32 * 32,
@@ -77,9 +79,11 @@ std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, 
   const int rc = quantmla_stream_h16(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), scale.data_ptr(),
                                      minimum.data_ptr(), q.data_ptr(), p.data_ptr(), scores.data_ptr<float>(),
                                      partial.data_ptr<float>(), rank1.data_ptr<float>(), static_cast<int>(tokens),
-                                     static_cast<int>(per_cta), ctas, write_scores ? 1 : 0, static_cast<unsigned>(lbo),
+                                     static_cast<int>(per_cta), ctas, write_scores ? 1 : 0, static_cast<int>(variant),
+                                     static_cast<unsigned>(lbo),
                                      static_cast<unsigned>(sbo), reinterpret_cast<void*>(stream));
-  TORCH_CHECK(rc == 0, "stream_h16 launch failed (", rc, "; -2: tokens and per_cta must be multiples of 64)");
+  TORCH_CHECK(rc == 0, "stream_h16 launch failed (", rc,
+              "; -2: tokens and per_cta must be multiples of 64; -3: variant must be 0 or 1)");
   return {scores, partial, rank1};
 }
 

@@ -10,6 +10,9 @@
 //   - the operands take one shift a word (operand4_x16): tokens 8-15 of each 16-token tile come out as
 //     1024 + 16 u in both products, so their scales are divided by 16 (in the scores' fold and in W).
 // The rank-1 terms are summed in a fixed order (no atomics), so the results are deterministic.
+// Variant 1 (FAST): W is stored by one stmatrix.trans a group from packed fp16 pairs, and the magic number's
+// 1024 comes off on the tensor cores (one more wgmma a k-step, A = 1024 everywhere, scale -1, into the same
+// accumulator), so the rank-1 term is sum_t m P alone.
 // P is still an input (token-major [T, 16] here, the accumulator's order) and the scores are written out only
 // when asked (the test checks them; the real kernel keeps them on chip).
 #include <cstdint>
@@ -56,6 +59,7 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
 
 // words [T/16][32 tiles][32 lanes]; scale, minimum [T][8] fp16; q [16][512] fp16; p [T][16] fp16;
 // scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32; rank1 [ctas][16][8] fp32
+template <bool FAST>
 __global__ void __launch_bounds__(128, 2)
     stream_h16_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale,
                       const half* __restrict__ minimum, const half* __restrict__ q, const half* __restrict__ p,
@@ -89,7 +93,11 @@ __global__ void __launch_bounds__(128, 2)
   // hb + {0, 1, 8, 9}; element i of a fragment is token tl0 + 8 ((i >> 1) & 1), head hb + (i & 1) + 8 (i >> 2)
   const int tl0 = 16 * warp + (lane >> 2), hb = 2 * (lane & 3);
   float acc_o[GROUPS][8];
-  float r1[GROUPS][4];  // rank-1 term: sum_t m P - 1024 W for heads hb + {0, 1, 8, 9}
+  float r1[GROUPS][4];  // rank-1 term: sum_t m P (- 1024 W unless FAST) for heads hb + {0, 1, 8, 9}
+  // FAST: this lane's stmatrix row, stored row lane % 8 of matrix lane / 8 (token half (lane / 8) % 2, head
+  // block lane / 16) inside the warp's 16-token tile of W_g
+  const int stsm_off = warp * 512 + ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
+  constexpr uint32_t ONES[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
 #pragma unroll
   for (int g = 0; g < GROUPS; ++g) {
 #pragma unroll
@@ -155,13 +163,27 @@ __global__ void __launch_bounds__(128, 2)
     }
 #pragma unroll
     for (int g = 0; g < GROUPS; ++g) {
+      if constexpr (FAST) {
+        const float sa = half_at(s_a, g), sb = half_at(s_b, g) * 0.0625f, ma = half_at(m_a, g), mb = half_at(m_b, g);
+        uint32_t wr[4];  // register j: fragment elements 2j, 2j + 1 (heads h, h + 1 of one token)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const bool second = (i >> 1) & 1;
-        const int tl = tl0 + 8 * second, h = hb + (i & 1) + 8 * (i >> 2);
-        const half w = __float2half_rn((second ? half_at(s_b, g) * 0.0625f : half_at(s_a, g)) * pv[i]);
-        *reinterpret_cast<half*>(w_smem + g * 2048 + (tl >> 4) * 512 + core_offset(h, tl & 15)) = w;
-        r1[g][(i & 1) + 2 * (i >> 2)] += half_at(second ? m_b : m_a, g) * pv[i] - 1024.f * __half2float(w);
+        for (int j = 0; j < 4; ++j) {
+          const float sv = (j & 1) ? sb : sa, mv = (j & 1) ? mb : ma;
+          const __half2 w2 = __floats2half2_rn(sv * pv[2 * j], sv * pv[2 * j + 1]);
+          wr[j] = *reinterpret_cast<const uint32_t*>(&w2);
+          r1[g][2 * (j >> 1)] += mv * pv[2 * j];
+          r1[g][2 * (j >> 1) + 1] += mv * pv[2 * j + 1];
+        }
+        stmatrix_x4_trans(w_smem + g * 2048 + stsm_off, wr);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const bool second = (i >> 1) & 1;
+          const int tl = tl0 + 8 * second, h = hb + (i & 1) + 8 * (i >> 2);
+          const half w = __float2half_rn((second ? half_at(s_b, g) * 0.0625f : half_at(s_a, g)) * pv[i]);
+          *reinterpret_cast<half*>(w_smem + g * 2048 + (tl >> 4) * 512 + core_offset(h, tl & 15)) = w;
+          r1[g][(i & 1) + 2 * (i >> 2)] += half_at(second ? m_b : m_a, g) * pv[i] - 1024.f * __half2float(w);
+        }
       }
     }
     async_proxy_fence();
@@ -175,7 +197,11 @@ __global__ void __launch_bounds__(128, 2)
         operand4_x16<true>(a[b][kt], output_word(sw + ((kt * TILES) + 4 * g + warp) * 32, lane), MAGIC);
       wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < 4; ++kt) wgmma_m64n16k16(acc_o[g], a[b][kt], smem_desc(w_smem + g * 2048 + kt * 512, lbo, sbo), 1);
+      for (int kt = 0; kt < 4; ++kt) {
+        const uint64_t desc = smem_desc(w_smem + g * 2048 + kt * 512, lbo, sbo);
+        wgmma_m64n16k16(acc_o[g], a[b][kt], desc, 1);
+        if constexpr (FAST) wgmma_m64n16k16<-1>(acc_o[g], ONES, desc, 1);  // - 1024 sum_t W
+      }
       wgmma_commit();
       wgmma_wait<1>();
     }
@@ -218,13 +244,15 @@ __global__ void __launch_bounds__(128, 2)
 
 extern "C" int quantmla_stream_h16(const uint32_t* words, const void* scale, const void* minimum, const void* q,
                                    const void* p, float* scores, float* partial, float* rank1, int tokens,
-                                   int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo, void* stream) {
+                                   int per_cta, int ctas, int write_scores, int variant, unsigned lbo, unsigned sbo,
+                                   void* stream) {
   using namespace quantmla::h16s;
   if (tokens % STEP || per_cta % STEP) return -2;
-  const cudaError_t attr =
-      cudaFuncSetAttribute(stream_h16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (variant != 0 && variant != 1) return -3;
+  const auto kernel = variant ? stream_h16_kernel<true> : stream_h16_kernel<false>;
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
   if (attr != cudaSuccess) return static_cast<int>(attr);
-  stream_h16_kernel<<<ctas, 128, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
+  kernel<<<ctas, 128, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
       words, static_cast<const half*>(scale), static_cast<const half*>(minimum), static_cast<const half*>(q),
       static_cast<const half*>(p), scores, partial, rank1, tokens, per_cta, write_scores, lbo, sbo);
   return static_cast<int>(cudaGetLastError());

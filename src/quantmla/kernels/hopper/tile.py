@@ -30,13 +30,14 @@ def tile_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q:
 
 
 def stream_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
-               per_cta: int = 1024, write_scores: bool = True, lbo: int = LBO, sbo: int = SBO,
+               per_cta: int = 1024, write_scores: bool = True, variant: int = 0, lbo: int = LBO, sbo: int = SBO,
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """As :func:`tile_h16` through the pipelined kernel; ``p_t`` token-major ``[T, 16]``. Without
-    ``write_scores`` the scores are not stored (an empty ``[0, 16]`` tensor comes back)."""
+    ``write_scores`` the scores are not stored (an empty ``[0, 16]`` tensor comes back). ``variant`` 1 stores
+    ``s o P`` by ``stmatrix`` and takes the magic number's 1024 off on the tensor cores."""
     stream = torch.cuda.current_stream(words.device).cuda_stream
-    scores, partial, rank1 = extension("v3").stream_h16(words, scale, minimum, q, p_t, per_cta, write_scores, lbo, sbo,
-                                                        stream)  # fmt: skip
+    scores, partial, rank1 = extension("v3").stream_h16(words, scale, minimum, q, p_t, per_cta, write_scores, variant,
+                                                        lbo, sbo, stream)  # fmt: skip
     return scores, _output(partial, rank1)
 
 
