@@ -11,7 +11,7 @@
 //     1024 + 16 u in both products, so their scales are divided by 16 (in the scores' fold and in W).
 // The rank-1 terms are summed in a fixed order (no atomics), so the results are deterministic.
 // Variant 1 (FAST): W is stored by one stmatrix.trans a group from packed fp16 pairs, and the magic number's
-// 1024 comes off on the tensor cores (one more wgmma a k-step, A = 1024 everywhere, scale -1, into the same
+// 1024 comes off on the tensor cores (one more wgmma a k-step, A = -1024 everywhere, into the same
 // accumulator), so the rank-1 term is sum_t m P alone.
 // P is still an input (token-major [T, 16] here, the accumulator's order) and the scores are written out only
 // when asked (the test checks them; the real kernel keeps them on chip).
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(128, 2)
   // FAST: this lane's stmatrix row, stored row lane % 8 of matrix lane / 8 (token half (lane / 8) % 2, head
   // block lane / 16) inside the warp's 16-token tile of W_g
   const int stsm_off = warp * 512 + ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
-  constexpr uint32_t ONES[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
+  constexpr uint32_t MINUS_MAGIC[4] = {0xE400E400u, 0xE400E400u, 0xE400E400u, 0xE400E400u};  // fp16 -1024
 #pragma unroll
   for (int g = 0; g < GROUPS; ++g) {
 #pragma unroll
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(128, 2)
       for (int kt = 0; kt < 4; ++kt) {
         const uint64_t desc = smem_desc(w_smem + g * 2048 + kt * 512, lbo, sbo);
         wgmma_m64n16k16(acc_o[g], a[b][kt], desc, 1);
-        if constexpr (FAST) wgmma_m64n16k16<-1>(acc_o[g], ONES, desc, 1);  // - 1024 sum_t W
+        if constexpr (FAST) wgmma_m64n16k16(acc_o[g], MINUS_MAGIC, desc, 1);  // - 1024 sum_t W
       }
       wgmma_commit();
       wgmma_wait<1>();
