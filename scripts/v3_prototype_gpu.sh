@@ -14,9 +14,10 @@ for f in tile_h16 stream_h16; do
   cuobjdump -sass /tmp/$f.cubin | grep -oE '^\s+/\*[0-9a-f]{4,5}\*/\s+[A-Z][A-Z0-9._]*' | awk '{print $2}' |
     sed -E 's/\..*//' | sort | uniq -c | sort -rn | head -24 | paste -sd' '
 done
-python -m pytest -q -x tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py -rs 2>&1 | tail -15
-python benchmarks/experiments/v3_tile_h16.py
-for k in stream stream-v1; do
+python -m pytest -q -rA tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 |
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|^E  " | cut -c1-200 | head -60
+python benchmarks/experiments/v3_tile_h16.py --per-cta ${PER_CTA:-4096 8000 8192 16384}
+for k in ${NCU_KERNELS:-stream stream-v1 stream-v2}; do
   echo "== ncu $k"
   ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \

@@ -3,7 +3,8 @@ beside the bandwidth the cache allows: B x L tokens of an INT4 content latent (5
 through both wgmma products with folded scales. ``tile`` (``kernels/hopper/tile_h16.cu``) loads each step
 synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, with the scores written out
 (``stream+scores``) or not; ``stream-v1`` stores ``s o P`` by ``stmatrix`` and takes the magic number's 1024
-off on the tensor cores. The prototypes also read P (32 B a token) and may write the scores (64 B a token),
+off on the tensor cores; ``stream-v2`` dequantises the operands in registers (no fold). The prototypes also
+read P (32 B a token) and may write the scores (64 B a token),
 which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
 
     PYTHONPATH=src python benchmarks/experiments/v3_tile_h16.py --tokens 2097152 --per-cta 4096 8000 8192 16384
@@ -28,7 +29,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from quantmla.kernels.hopper.build import extension
-    from quantmla.kernels.hopper.tile import LBO, SBO
+    from quantmla.kernels.hopper.tile import LBO, SBO, group_major
 
     dev = torch.device("cuda")
     t = args.tokens
@@ -39,6 +40,7 @@ def main() -> None:
     q = torch.randn(16, 512, device=dev, generator=gen).half()
     p = (torch.rand(16, t, device=dev, generator=gen) / t).half()
     p_t = p.T.contiguous()
+    scale_gm, minimum_gm = group_major(scale), group_major(minimum)  # variant 2's layout
     cache_bytes = t * (256 + 8 * 4)  # codes + fp16 scale and minimum per group
     ext, stream = extension("v3"), torch.cuda.current_stream(dev).cuda_stream
     kernels = {  # name -> (the extension's call alone, bytes moved besides the cache: P read, scores written)
@@ -53,6 +55,10 @@ def main() -> None:
         ),
         "stream-v1": (
             lambda per: ext.stream_h16(words, scale, minimum, q, p_t, per, False, 1, LBO, SBO, stream),
+            t * 16 * 2,
+        ),
+        "stream-v2": (
+            lambda per: ext.stream_h16_dq(words, scale_gm, minimum_gm, q, p_t, per, False, LBO, SBO, stream),
             t * 16 * 2,
         ),
     }

@@ -84,3 +84,33 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
     # s o P is rounded to fp16 (2^-11 relative) against float64
     assert torch.allclose(out, o_emu, rtol=0, atol=5e-4 * o_ref.abs().max().item())
     assert torch.allclose(out, o_ref, rtol=0, atol=2e-3 * o_ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
+@pytest.mark.parametrize("per_cta", [64, 256])
+def test_h16_prototype_dequantised_in_registers_against_float64(per_cta):
+    # variant 2 rounds x = u s + m to fp16 once (HFMA2) and multiplies it exactly in fp32: elementwise, the error
+    # is at most fp16's unit roundoff 2^-11 of sum |x| |q| (scores) and of P |x| (output), doubled for the fp32
+    # accumulation, plus fp16's subnormal spacing; a missing 1/16 on tokens 8-15 or a lost minimum is far outside
+    from quantmla.kernels.folded import dequantised
+    from quantmla.kernels.hopper.tile import pack_h16, stream_h16_dq
+
+    gen = torch.Generator().manual_seed(11)
+    tokens = 256
+    codes = torch.randint(0, 16, (tokens, 512), generator=gen)
+    scale = (torch.rand(tokens, 8, generator=gen) * 0.2 + 1e-3).half()
+    minimum = (torch.randn(tokens, 8, generator=gen) * 2).half()
+    q = torch.randn(16, 512, generator=gen).half()
+    p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
+    dev = torch.device("cuda")
+    args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.T.contiguous().to(dev)
+    scores, out = stream_h16_dq(*args, per_cta)
+    no_scores, same_out = stream_h16_dq(*args, per_cta, write_scores=False)
+    assert no_scores.shape == (0, 16) and torch.equal(same_out, out)
+    x = dequantised(codes, scale, minimum, 64)
+    s_ref, o_ref = x @ q.double().T, p.double() @ x
+    s_tol = 2.0**-10 * (x.abs() @ q.double().abs().T) + 2.0**-24 * q.double().abs().sum(-1)
+    o_tol = 2.0**-10 * (p.double() @ x.abs()) + 2.0**-24
+    assert ((scores.double().cpu() - s_ref).abs() <= s_tol).all()
+    assert ((out.double().cpu() - o_ref).abs() <= o_tol).all()

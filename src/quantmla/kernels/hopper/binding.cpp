@@ -10,6 +10,10 @@ extern "C" int quantmla_stream_h16(const uint32_t* words, const void* scale, con
                                    const void* p, float* scores, float* partial, float* rank1, int tokens,
                                    int per_cta, int ctas, int write_scores, int variant, unsigned lbo, unsigned sbo,
                                    void* stream);
+extern "C" int quantmla_stream_h16_dq(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
+                                      const void* q, const void* p, float* scores, float* partial, int tokens,
+                                      int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo,
+                                      void* stream);
 
 // `stream`: the caller's current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so the
 // binding needs no CUDA headers
@@ -87,8 +91,37 @@ std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, 
   return {scores, partial, rank1};
 }
 
+// variant 2 of the pipelined prototype, dequantised in registers: scale and minimum group-major per 16-token
+// tile [T/16, 8, 16] fp16, p [T, 16]; returns (scores [T or 0, 16], partial outputs [ctas, 16, 512]), fp32
+std::vector<torch::Tensor> stream_h16_dq(torch::Tensor words, torch::Tensor scale_gm, torch::Tensor minimum_gm,
+                                         torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
+                                         int64_t lbo, int64_t sbo, int64_t stream) {
+  const int64_t tokens = p.size(0);
+  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
+                  words.numel() == tokens / 16 * 32 * 32,
+              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
+  for (const auto& t : {scale_gm, minimum_gm, q, p})
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+  TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
+              "scale and minimum must be group-major [tokens / 16, 8, 16]");
+  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
+  const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
+  auto f32 = words.options().dtype(torch::kFloat32);
+  auto scores = torch::empty({write_scores ? tokens : 0, 16}, f32);
+  auto partial = torch::empty({ctas, 16, 512}, f32);
+  const int rc = quantmla_stream_h16_dq(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
+                                        scale_gm.data_ptr(), minimum_gm.data_ptr(), q.data_ptr(), p.data_ptr(),
+                                        scores.data_ptr<float>(), partial.data_ptr<float>(), static_cast<int>(tokens),
+                                        static_cast<int>(per_cta), ctas, write_scores ? 1 : 0,
+                                        static_cast<unsigned>(lbo), static_cast<unsigned>(sbo),
+                                        reinterpret_cast<void*>(stream));
+  TORCH_CHECK(rc == 0, "stream_h16_dq launch failed (", rc, "; -2: tokens and per_cta must be multiples of 64)");
+  return {scores, partial};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fragment_probe", &fragment_probe);
   m.def("tile_h16", &tile_h16);
   m.def("stream_h16", &stream_h16);
+  m.def("stream_h16_dq", &stream_h16_dq);
 }

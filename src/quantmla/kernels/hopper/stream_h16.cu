@@ -239,6 +239,138 @@ __global__ void __launch_bounds__(128, 2)
   }
 }
 
+
+// Variant 2 (dequantised in registers): the A operands are dequantised where they are built, one HSUB2 (the
+// magic off, exact) and one HFMA2 (x = u s + m, one fp16 rounding, the Triton kernels' precision) a register;
+// one accumulator for all groups in the scores (no fold), P itself as the output's B operand (one stmatrix a warp
+// and step), no rank-1 term. Scales and minima come group-major per 16-token tile, [T/16][8][16] fp16 (the
+// bytes of a step are the same as token-major, so the stages and copies are shared), so the output operand's
+// token pairs read their scale and minimum pairs in one load each.
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t u, __half2 s, __half2 m) {
+  const __half2 code = __hsub2(*reinterpret_cast<const __half2*>(&u), __half2half2(__ushort_as_half(0x6400)));
+  const __half2 x = __hfma2(code, s, m);
+  return *reinterpret_cast<const uint32_t*>(&x);
+}
+
+__global__ void __launch_bounds__(128, 2)
+    stream_h16_dq_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
+                         const half* __restrict__ minimum_gm, const half* __restrict__ q, const half* __restrict__ p,
+                         float* __restrict__ scores, float* __restrict__ partial, int tokens, int per_cta,
+                         int write_scores, uint32_t lbo, uint32_t sbo) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_smem = smem;
+  unsigned char* p_smem = smem + Q_BYTES;  // P^T of the step: N = 16 heads, K = 64 tokens, 4 K-tiles of 512 B
+  unsigned char* stages = smem + Q_BYTES + P_BYTES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
+  const int steps = (t_end - t_begin) / STEP;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load_step(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    cp_async_commit();
+  }
+  for (int i = tid; i < HEADS * DIM; i += 128) {
+    const int n = i / DIM, k = i % DIM;
+    *reinterpret_cast<half*>(q_smem + (k >> 4) * 512 + core_offset(n, k & 15)) = q[i];
+  }
+  async_proxy_fence();
+  const int tl0 = 16 * warp + (lane >> 2), hb = 2 * (lane & 3), tq = lane & 3;
+  const int stsm_off = warp * 512 + ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
+  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+  float acc_o[GROUPS][8];
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc_o[g][i] = 0.f;
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step s landed; step s - 1 done with its stage and with P
+    if (s + STAGES - 1 < steps)
+      load_step(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+                t_begin + (s + STAGES - 1) * STEP, tid);
+    cp_async_commit();
+    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
+    const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);  // [4 tiles][8 groups][16 tokens]
+    const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(st + CODE_BYTES + 2 * META_BYTES);
+    // ---- scores: tokens tl0 (rows g) and tl0 + 8 (rows g + 8, carrying 16 u: scale / 16) ----
+    float acc[8];
+    uint32_t a[2][4][4];
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+      const int b = g & 1, row = (warp * GROUPS + g) * 16 + (lane >> 2);
+      const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
+      const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t u[4];
+        operand4_x16<false>(u, sw[(warp * TILES + 4 * g + c) * 32 + lane], MAGIC);
+        a[b][c][0] = dequant_pair(u[0], s_a, m_a);
+        a[b][c][1] = dequant_pair(u[1], s_b, m_b);
+        a[b][c][2] = dequant_pair(u[2], s_a, m_a);
+        a[b][c][3] = dequant_pair(u[3], s_b, m_b);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        wgmma_m64n16k16(acc, a[b][c], smem_desc(q_smem + (4 * g + c) * 512, lbo, sbo), g > 0 || c > 0);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    // ---- P^T as the output's B operand: this warp's 16 tokens, straight from the staged fp16 pairs ----
+    {
+      const uint32_t pr[4] = {sp[tl0 * 8 + hb / 2], sp[(tl0 + 8) * 8 + hb / 2], sp[tl0 * 8 + hb / 2 + 4],
+                              sp[(tl0 + 8) * 8 + hb / 2 + 4]};
+      stmatrix_x4_trans(p_smem + stsm_off, pr);
+    }
+    wgmma_wait<0>();
+    const int t0 = t_begin + s * STEP;
+    if (write_scores) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        scores[size_t(t0 + tl0 + 8 * ((i >> 1) & 1)) * HEADS + hb + (i & 1) + 8 * (i >> 2)] = acc[i];
+    }
+    async_proxy_fence();
+    __syncthreads();
+    // ---- output: O^T_g += X_g^T P^T, the tile transposed: registers 0, 1 tokens 2t, 2t + 1; 2, 3 tokens
+    // 2t + 8, 2t + 9 (16 u) of K-tile kt ----
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) {
+      const int b = g & 1;
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const int pair = (kt * GROUPS + g) * 16 + 2 * tq;
+        const __half2 s_lo = *reinterpret_cast<const __half2*>(ssc + pair);
+        const __half2 m_lo = *reinterpret_cast<const __half2*>(smn + pair);
+        const __half2 s_hi = __hmul2(*reinterpret_cast<const __half2*>(ssc + pair + 8), sixteenth);
+        const __half2 m_hi = *reinterpret_cast<const __half2*>(smn + pair + 8);
+        uint32_t u[4];
+        operand4_x16<true>(u, output_word(sw + ((kt * TILES) + 4 * g + warp) * 32, lane), MAGIC);
+        a[b][kt][0] = dequant_pair(u[0], s_lo, m_lo);
+        a[b][kt][1] = dequant_pair(u[1], s_lo, m_lo);
+        a[b][kt][2] = dequant_pair(u[2], s_hi, m_hi);
+        a[b][kt][3] = dequant_pair(u[3], s_hi, m_hi);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) wgmma_m64n16k16(acc_o[g], a[b][kt], smem_desc(p_smem + kt * 512, lbo, sbo), 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int ch = GROUP * g + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), h = hb + (i & 1) + 8 * (i >> 2);
+      out[h * DIM + ch] = acc_o[g][i];
+    }
+}
+
 }  // namespace h16s
 }  // namespace quantmla
 
@@ -255,5 +387,21 @@ extern "C" int quantmla_stream_h16(const uint32_t* words, const void* scale, con
   kernel<<<ctas, 128, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
       words, static_cast<const half*>(scale), static_cast<const half*>(minimum), static_cast<const half*>(q),
       static_cast<const half*>(p), scores, partial, rank1, tokens, per_cta, write_scores, lbo, sbo);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int quantmla_stream_h16_dq(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
+                                      const void* q, const void* p, float* scores, float* partial, int tokens,
+                                      int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo,
+                                      void* stream) {
+  using namespace quantmla::h16s;
+  if (tokens % STEP || per_cta % STEP) return -2;
+  constexpr int smem_bytes = Q_BYTES + P_BYTES + STAGES * STAGE_BYTES;
+  const cudaError_t attr =
+      cudaFuncSetAttribute(stream_h16_dq_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (attr != cudaSuccess) return static_cast<int>(attr);
+  stream_h16_dq_kernel<<<ctas, 128, smem_bytes, static_cast<cudaStream_t>(stream)>>>(
+      words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm), static_cast<const half*>(q),
+      static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores, lbo, sbo);
   return static_cast<int>(cudaGetLastError());
 }

@@ -41,6 +41,22 @@ def stream_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     return scores, _output(partial, rank1)
 
 
+def group_major(x: torch.Tensor) -> torch.Tensor:
+    """Per-token scales or minima ``[T, 8]`` as ``[T / 16, 8, 16]``: group-major within each 16-token tile."""
+    return x.view(-1, 16, x.shape[-1]).transpose(1, 2).contiguous()
+
+
+def stream_h16_dq(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
+                  per_cta: int = 1024, write_scores: bool = True, lbo: int = LBO, sbo: int = SBO,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """As :func:`stream_h16`, variant 2: the operands dequantised in registers (``x = u s + m`` in fp16, no fold);
+    ``scale`` and ``minimum`` ``[T, 8]`` as everywhere here (made group-major for the kernel)."""
+    stream = torch.cuda.current_stream(words.device).cuda_stream
+    scores, partial = extension("v3").stream_h16_dq(words, group_major(scale), group_major(minimum), q, p_t, per_cta,
+                                                    write_scores, lbo, sbo, stream)  # fmt: skip
+    return scores, partial.sum(0)
+
+
 def _output(partial: torch.Tensor, rank1: torch.Tensor) -> torch.Tensor:
     """``O [16, 512]``: the CTAs' partial products plus their rank-1 terms, broadcast over each group's channels."""
     return partial.sum(0) + rank1.sum(0).repeat_interleave(64, dim=1)
