@@ -28,8 +28,9 @@ def main() -> None:
     args = ap.parse_args()
     from triton.testing import do_bench
 
+    from quantmla.kernels.fragment import group_major
     from quantmla.kernels.hopper.build import extension
-    from quantmla.kernels.hopper.tile import LBO, SBO, group_major
+    from quantmla.kernels.hopper.tile import LBO, SBO
 
     dev = torch.device("cuda")
     t = args.tokens

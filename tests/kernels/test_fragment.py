@@ -11,6 +11,7 @@ from quantmla.kernels.folded import dequantised, folded_minimum, magic_number
 from quantmla.kernels.fragment import (
     TILE,
     byte_perm,
+    dequantise_registers,
     fragment_coords,
     operand_tiles,
     output_operand,
@@ -77,6 +78,27 @@ def test_one_shift_operands_carry_16u_on_tokens_8_to_15():
     assert not torch.equal(operand_tiles(scores_operand(words, 4)), want)
     with pytest.raises(ValueError, match="INT4 codes and fp16"):
         scores_operand(words, 4, torch.bfloat16, x16=True)
+
+
+def test_register_dequantisation_reads_the_right_scales():
+    # stream_h16_dq_kernel's arithmetic and indexing, lane by lane: the one-shift registers dequantised with the
+    # scale and minimum pairs read from the group-major copy (scale / 16 on tokens 8-15) give fp16(u s + m) of
+    # every element, in both operands; a wrong lookup (or the 1/16 on the wrong tokens) changes elements
+    gen = torch.Generator().manual_seed(4)
+    tokens, dim = 64, 512
+    codes = torch.randint(0, 16, (tokens, dim), generator=gen)
+    scale = (torch.rand(tokens, dim // 64, generator=gen) * 0.2 + 2.0**-10).half()
+    minimum = (torch.randn(tokens, dim // 64, generator=gen) * 2).half()
+    want = codes.double() * scale.double().repeat_interleave(64, 1) + minimum.double().repeat_interleave(64, 1)
+    want = _tiles(want.half().double())
+    words = pack_fragments(codes, 4)
+    for output in (False, True):
+        make = output_operand if output else scores_operand
+        got = operand_tiles(dequantise_registers(make(words, 4, x16=True), scale, minimum, output))
+        assert torch.equal(got, want.transpose(-1, -2) if output else want)
+    shuffled = scale.flip(0)  # the same values at the wrong tokens
+    got = operand_tiles(dequantise_registers(scores_operand(words, 4, x16=True), shuffled, minimum, False))
+    assert not torch.equal(got, want)
 
 
 def test_output_operand_needs_the_half_select():

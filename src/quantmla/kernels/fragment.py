@@ -154,3 +154,38 @@ def operand_tiles(regs: torch.Tensor, dtype: torch.dtype = torch.float16) -> tor
     rows, cols = fragment_coords()
     tiles[..., rows, cols] = values
     return tiles
+
+
+def group_major(x: torch.Tensor) -> torch.Tensor:
+    """Per-token scales or minima ``[T, G]`` as ``[T / 16, G, 16]``: group-major within each 16-token tile (the
+    layout the register-dequantising Hopper prototype reads token pairs from)."""
+    return x.view(-1, TILE, x.shape[-1]).transpose(1, 2).contiguous()
+
+
+def dequantise_registers(regs: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, output: bool) -> torch.Tensor:
+    """What ``stream_h16_dq_kernel`` makes of the one-shift INT4 registers ``regs [T / 16, D / 16, 32, 4]``
+    (:func:`scores_operand` / :func:`output_operand` with ``x16``): each half ``x = fp16((U - 1024) s + m)`` with
+    one rounding (``HSUB2`` exact, then ``HFMA2``), the scale divided by 16 where the code is ``16 u``, the scales
+    and minima ``[T, D / 64]`` looked up as the kernel does in their :func:`group_major` copy. Returns the fp16
+    register patterns, int64."""
+    nt, tiles = regs.shape[:2]
+    groups = scale.shape[-1]
+    sg, mg = group_major(scale).reshape(-1).double(), group_major(minimum).reshape(-1).double()
+    kt = torch.arange(nt)[:, None, None, None, None]
+    tile = torch.arange(tiles)[None, :, None, None, None]
+    lane = torch.arange(LANES)[None, None, :, None, None]
+    r = torch.arange(4)[None, None, None, :, None]
+    e = torch.arange(2)[None, None, None, None, :]
+    g = tile // (tiles // groups)  # the group of the tile's channels
+    if output:  # rows channels, columns tokens 2t + 8 (r >> 1) + e of the tile: pair loads
+        x16 = (r >> 1) == 1
+        idx = (kt * groups + g) * TILE + 2 * (lane % 4) + 8 * (r >> 1) + e
+    else:  # rows tokens lane / 4 + 8 (r & 1), both halves one token: broadcast loads
+        x16 = (r & 1) == 1
+        idx = (kt * groups + g) * TILE + lane // 4 + 8 * (r & 1) + 0 * e
+    s = torch.where(x16, sg[idx] / 16, sg[idx])
+    halves = torch.stack([regs & 0xFFFF, (regs >> 16) & 0xFFFF], -1)  # [..., 4, 2]
+    code = torch.where(halves >= 0x8000, halves - 0x10000, halves).to(torch.int16).view(torch.float16).double() - 1024
+    x = (code * s + mg[idx]).half()  # exact in float64, then the one rounding
+    bits = x.view(torch.int16).to(torch.int64) & 0xFFFF
+    return bits[..., 0] | (bits[..., 1] << 16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.kernels.fragment import pack_fragments
+from quantmla.kernels.fragment import group_major, pack_fragments
 from quantmla.kernels.hopper.build import extension
 from quantmla.kernels.hopper.probe import as_int32
 
@@ -39,11 +39,6 @@ def stream_h16(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     scores, partial, rank1 = extension("v3").stream_h16(words, scale, minimum, q, p_t, per_cta, write_scores, variant,
                                                         lbo, sbo, stream)  # fmt: skip
     return scores, _output(partial, rank1)
-
-
-def group_major(x: torch.Tensor) -> torch.Tensor:
-    """Per-token scales or minima ``[T, 8]`` as ``[T / 16, 8, 16]``: group-major within each 16-token tile."""
-    return x.view(-1, 16, x.shape[-1]).transpose(1, 2).contiguous()
 
 
 def stream_h16_dq(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
