@@ -35,16 +35,21 @@ torch::Tensor fragment_probe(torch::Tensor words, torch::Tensor b, int64_t bits,
   return d;
 }
 
+// the h = 16 prototypes' common checks: words [tokens / 16, 32, 32] int32, the rest fp16; all contiguous CUDA
+static void check_inputs(const torch::Tensor& words, int64_t tokens, std::initializer_list<torch::Tensor> halves) {
+  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
+                  words.numel() == tokens / 16 * 32 * 32,
+              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
+  for (const auto& t : halves)
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+}
+
 // the h = 16 prototype: words [T/16, 32, 32] int32, scale and minimum [T, 8] fp16, q [16, 512] fp16, p [16, T]
 // fp16; returns (scores [T, 16], partial outputs [ctas, 16, 512], rank-1 terms [ctas, 16, 8]), fp32
 std::vector<torch::Tensor> tile_h16(torch::Tensor words, torch::Tensor scale, torch::Tensor minimum, torch::Tensor q,
                                     torch::Tensor p, int64_t per_cta, int64_t lbo, int64_t sbo, int64_t stream) {
   const int64_t tokens = scale.size(0);
-  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
-                  words.numel() == tokens / 16 * 32 * 32,
-              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
-  for (const auto& t : {scale, minimum, q, p})
-    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+  check_inputs(words, tokens, {scale, minimum, q, p});
   TORCH_CHECK(scale.sizes() == minimum.sizes() && scale.size(1) == 8, "scale and minimum must be [tokens, 8]");
   TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(0) == 16 && p.size(1) == tokens, "q [16, 512], p [16, T]");
   const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
@@ -68,11 +73,7 @@ std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, 
                                       torch::Tensor p, int64_t per_cta, bool write_scores, int64_t variant,
                                       int64_t lbo, int64_t sbo, int64_t stream) {
   const int64_t tokens = scale.size(0);
-  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
-                  words.numel() == tokens / 16 * 32 * 32,
-              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
-  for (const auto& t : {scale, minimum, q, p})
-    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+  check_inputs(words, tokens, {scale, minimum, q, p});
   TORCH_CHECK(scale.sizes() == minimum.sizes() && scale.size(1) == 8, "scale and minimum must be [tokens, 8]");
   TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(0) == tokens && p.size(1) == 16, "q [16, 512], p [T, 16]");
   const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
@@ -97,11 +98,7 @@ std::vector<torch::Tensor> stream_h16_dq(torch::Tensor words, torch::Tensor scal
                                          torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
                                          int64_t lbo, int64_t sbo, int64_t stream) {
   const int64_t tokens = p.size(0);
-  TORCH_CHECK(words.is_cuda() && words.scalar_type() == torch::kInt32 && words.is_contiguous() &&
-                  words.numel() == tokens / 16 * 32 * 32,
-              "words must be contiguous CUDA int32 [tokens / 16, 32, 32]");
-  for (const auto& t : {scale_gm, minimum_gm, q, p})
-    TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 contiguous CUDA inputs");
+  check_inputs(words, tokens, {scale_gm, minimum_gm, q, p});
   TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
               "scale and minimum must be group-major [tokens / 16, 8, 16]");
   TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
