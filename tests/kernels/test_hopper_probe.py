@@ -44,6 +44,17 @@ def test_fragment_probe_on_the_tensor_cores(bits, output, dtype):
     assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item())
 
 
+def _h16_inputs(seed: int, tokens: int = 256):
+    """INT4 codes [T, 512], fp16 scale and minimum [T, 8] (groups of 64), queries [16, 512], probabilities [16, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (tokens, 512), generator=gen)
+    scale = (torch.rand(tokens, 8, generator=gen) * 0.2 + 1e-3).half()
+    minimum = (torch.randn(tokens, 8, generator=gen) * 2).half()
+    q = torch.randn(16, 512, generator=gen).half()
+    p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
+    return codes, scale, minimum, q, p
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
 @pytest.mark.parametrize("kernel", ["tile", "stream", "stream-v1"])
@@ -55,13 +66,7 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
     from quantmla.kernels.folded import dequantised, folded_output, folded_scores
     from quantmla.kernels.hopper.tile import pack_h16, stream_h16, tile_h16
 
-    gen = torch.Generator().manual_seed(7)
-    tokens = 256
-    codes = torch.randint(0, 16, (tokens, 512), generator=gen)
-    scale = (torch.rand(tokens, 8, generator=gen) * 0.2 + 1e-3).half()
-    minimum = (torch.randn(tokens, 8, generator=gen) * 2).half()
-    q = torch.randn(16, 512, generator=gen).half()
-    p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
+    codes, scale, minimum, q, p = _h16_inputs(seed=7)
     dev = torch.device("cuda")
     args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev)
     if kernel == "tile":
@@ -96,13 +101,7 @@ def test_h16_prototype_dequantised_in_registers_against_float64(per_cta):
     from quantmla.kernels.folded import dequantised
     from quantmla.kernels.hopper.tile import pack_h16, stream_h16_dq
 
-    gen = torch.Generator().manual_seed(11)
-    tokens = 256
-    codes = torch.randint(0, 16, (tokens, 512), generator=gen)
-    scale = (torch.rand(tokens, 8, generator=gen) * 0.2 + 1e-3).half()
-    minimum = (torch.randn(tokens, 8, generator=gen) * 2).half()
-    q = torch.randn(16, 512, generator=gen).half()
-    p = torch.softmax(torch.randn(16, tokens, generator=gen) * 3, -1).half()
+    codes, scale, minimum, q, p = _h16_inputs(seed=11)
     dev = torch.device("cuda")
     args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.T.contiguous().to(dev)
     scores, out = stream_h16_dq(*args, per_cta)

@@ -57,6 +57,26 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
   }
 }
 
+// Q^T as the scores' B operand: K-major 8 x 8 core matrices, 512 B a 16-channel K-tile
+__device__ __forceinline__ void stage_queries(const half* q, unsigned char* q_smem, int tid) {
+  for (int i = tid; i < HEADS * DIM; i += 128) {
+    const int n = i / DIM, k = i % DIM;
+    *reinterpret_cast<half*>(q_smem + (k >> 4) * 512 + core_offset(n, k & 15)) = q[i];
+  }
+}
+
+// this CTA's output accumulators (channels on M, heads on N) into partial [ctas][16][512]
+__device__ __forceinline__ void store_partial(const float (&acc_o)[GROUPS][8], float* partial, int warp, int lane) {
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int ch = GROUP * g + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), h = 2 * (lane & 3) + (i & 1) + 8 * (i >> 2);
+      out[h * DIM + ch] = acc_o[g][i];
+    }
+}
+
 // words [T/16][32 tiles][32 lanes]; scale, minimum [T][8] fp16; q [16][512] fp16; p [T][16] fp16;
 // scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32; rank1 [ctas][16][8] fp32
 template <bool FAST>
@@ -78,10 +98,7 @@ __global__ void __launch_bounds__(128, 2)
     if (s < steps) load_step(stages + s * STAGE_BYTES, words, scale, minimum, p, t_begin + s * STEP, tid);
     cp_async_commit();
   }
-  for (int i = tid; i < HEADS * DIM; i += 128) {
-    const int n = i / DIM, k = i % DIM;
-    *reinterpret_cast<half*>(q_smem + (k >> 4) * 512 + core_offset(n, k & 15)) = q[i];
-  }
+  stage_queries(q, q_smem, tid);
   {
     const int h = tid >> 3, g = tid & 7;
     float s = 0.f;
@@ -208,14 +225,7 @@ __global__ void __launch_bounds__(128, 2)
     wgmma_wait<0>();
   }
   cp_async_wait<0>();
-  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
-#pragma unroll
-  for (int g = 0; g < GROUPS; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int ch = GROUP * g + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), h = hb + (i & 1) + 8 * (i >> 2);
-      out[h * DIM + ch] = acc_o[g][i];
-    }
+  store_partial(acc_o, partial, warp, lane);
   // the rank-1 term: sum over the 8 lanes of a head pair (lane bits 2-4), then over the warps in order
   __syncthreads();  // every warp is done with W: its space holds the warps' sums [4][16][8]
   float* r1s = reinterpret_cast<float*>(w_smem);
@@ -269,10 +279,7 @@ __global__ void __launch_bounds__(128, 2)
     if (s < steps) load_step(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
     cp_async_commit();
   }
-  for (int i = tid; i < HEADS * DIM; i += 128) {
-    const int n = i / DIM, k = i % DIM;
-    *reinterpret_cast<half*>(q_smem + (k >> 4) * 512 + core_offset(n, k & 15)) = q[i];
-  }
+  stage_queries(q, q_smem, tid);
   async_proxy_fence();
   const int tl0 = 16 * warp + (lane >> 2), hb = 2 * (lane & 3), tq = lane & 3;
   const int stsm_off = warp * 512 + ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
@@ -361,14 +368,7 @@ __global__ void __launch_bounds__(128, 2)
     wgmma_wait<0>();
   }
   cp_async_wait<0>();
-  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
-#pragma unroll
-  for (int g = 0; g < GROUPS; ++g)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int ch = GROUP * g + 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), h = hb + (i & 1) + 8 * (i >> 2);
-      out[h * DIM + ch] = acc_o[g][i];
-    }
+  store_partial(acc_o, partial, warp, lane);
 }
 
 }  // namespace h16s
