@@ -202,3 +202,40 @@ def test_combined_method_carries_the_unfused_fit_exactly():
             wrong = fused(probe, use_cache=False).logits
     assert (got - want).abs().max().item() <= 1e-9
     assert (wrong - want).abs().max().item() > 1e-3
+
+
+def test_combined_method_chooses_the_latent_clipping_per_layer_on_held_out_data():
+    # the combined method searches the INT2 latent's clipping quantile per layer (no storage cost): the kept
+    # format and transform give exactly the held-out error the report says, which is the lowest of the search
+    # and never above RAQ-MLA's fit at the scheme's quantile; the bits per element stay the scheme's
+    from quantmla.calibrate.api import calibration_windows
+    from quantmla.calibrate.objectives import collect
+    from quantmla.calibrate.raq import CLIP_GRID, attention_error
+    from quantmla.models.adapter import get_adapter
+
+    scheme = "c2q94r4p8"
+    model = tiny_model("deepseek_v3", dtype=torch.float64)
+    _float64_norms(model)
+    kw = dict(scheme=scheme, method="quantmla-raq", steps=2, model_steps=0, **TINY)
+    fused, report = calibrate_model(model, None, _ids(), **kw)
+    kw.pop("progress")
+    _, val_w, _ = calibration_windows(None, _ids(), CalibrationConfig(**kw))
+    grid = {"none" if q is None else f"{q:g}" for q in CLIP_GRID}
+    modules = list(get_adapter(fused).attention_modules(fused))
+    for row, lc, (idx, _) in zip(report.layers, report.codec.layers, modules, strict=True):
+        part = row["raq"]["content"]
+        for basis in ("fused", "unfused"):
+            fit = part[basis]
+            assert set(fit["clip_val"]) == grid
+            assert fit["val_after"] == min(fit["clip_val"].values()) or fit["clip_round"] > 0
+            assert fit["val_after"] <= min(fit["clip_val"].values()) and fit["val_after"] <= fit["val_fit"]
+        kept = part[part["basis"]]
+        assert lc.content.fmt.clip == kept["clip"]
+        a = torch.eye(fused.config.kv_lora_rank, dtype=torch.float64)
+        a = a if lc.content.transform is None else lc.content.transform.double()
+        val = collect(fused, idx, val_w, 2)
+        got = attention_error(val, "content", a, lc.content.fmt, 64)
+        assert abs(got - kept["val_after"]) <= 1e-9 * max(1.0, kept["val_after"])
+    want = parse_scheme(scheme).bits_per_element(fused.config.kv_lora_rank, fused.config.qk_rope_head_dim)
+    got = report.codec.bits_per_element(fused.config.kv_lora_rank, fused.config.qk_rope_head_dim)
+    assert got == pytest.approx(want, rel=1e-12)
