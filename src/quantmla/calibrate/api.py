@@ -214,7 +214,7 @@ def calibrate_model(
     if cfg.method == "quantmla-raq":  # RAQ-MLA on the unfused model first: one of the combined method's two bases
         raq_cfg = replace(cfg, method="raq")
         long = _rope_fit_windows(cfg, train_w, val_w)
-        unfused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long, tune_clipping=True)[:2]
+        unfused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long)[:2]
         undo = undo_maps(model, adapter, modules, chosen, cfg.paths)
     for idx, attn in modules:
         if "content" in cfg.paths:
@@ -224,7 +224,7 @@ def calibrate_model(
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     if cfg.method == "quantmla-raq":  # and on the fused model; per layer and path the better held-out fit
-        fused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long, tune_clipping=True)[:2]
+        fused = fit_codec(model, adapter, modules, train_w, val_w, raq_cfg, progress, long)[:2]
         name = f"quantmla-raq {parse_scheme(cfg.scheme).name}"
         report.codec, raq_rows = pick(name, fused, unfused, undo)
         for row, raq_row in zip(report.layers, raq_rows, strict=True):

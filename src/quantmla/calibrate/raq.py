@@ -24,7 +24,7 @@ too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -157,62 +157,3 @@ def fit_path(
         return PathCodec(fmt), {**info, "init": ORIGINAL, "val_after": vals[ORIGINAL]}
     info.update(init=best[1], damping=best[3], round=best[4], val_after=best[0])
     return PathCodec(fmt, transform=best[2].cpu()), info
-
-
-#: the clipping quantiles of the latent the combined method searches (``None``: no clipping); RAQ-MLA itself
-#: keeps the scheme's (0.94 for its INT2 latent)
-CLIP_GRID = (None, 0.97, 0.94, 0.91, 0.88, 0.85)
-
-
-def clip_candidates(fmt: PathFormat) -> tuple[float | None, ...]:
-    """The clipping quantiles searched for ``fmt``: :data:`CLIP_GRID` and ``fmt``'s own, for an affine
-    per-token integer format (clipping does not apply to pages, mixed widths or TQ-MSE: ``fmt``'s alone)."""
-    if fmt.kind != "int" or fmt.turbo or fmt.page is not None or fmt.channel_bits is not None:
-        return (fmt.clip,)
-    return (None, *sorted({q for q in (*CLIP_GRID, fmt.clip) if q is not None}, reverse=True))
-
-
-@torch.no_grad()
-def tune_clip(train: list[LayerBatch], val: list[LayerBatch], codec: PathCodec, info: dict, group_size: int,
-              cfg: RaqConfig) -> tuple[PathCodec, dict]:  # fmt: skip
-    """The latent's clipping quantile chosen per layer on held-out data, for the transform ``codec`` holds (its
-    ``fit_path`` result and report ``info``), then Procrustes rounds at that quantile from the transform.
-
-    Clipping costs no storage, so the bits per element are the scheme's. The held-out attention-output error of
-    every quantile and round is a candidate, the fitted codec at the scheme's quantile among them, so the result
-    is never worse than ``codec`` on the held-out objective. Report: ``clip_val`` (quantile -> error),
-    ``clip`` (kept), ``clip_round``; ``val_after`` becomes the kept error (``val_fit``: before the search).
-    """
-    fmt = codec.fmt
-    d, dev = train[0].c.shape[-1], train[0].c.device
-    a = torch.eye(d, dtype=torch.float64, device=dev) if codec.transform is None else codec.transform.double().to(dev)
-    vals = {fmt.clip: info["val_after"]}  # the fit's own quantile, as fit_path measured it
-    for q in clip_candidates(fmt):
-        if q == fmt.clip:
-            continue
-        try:
-            vals[q] = attention_error(val, "content", a, replace(fmt, clip=q), group_size)
-        except ValueError:  # beyond the fp16 range of the metadata
-            continue
-    q_best = min(vals, key=vals.get)
-    best = (vals[q_best], a, 0)
-    f = replace(fmt, clip=q_best)
-    if q_best != fmt.clip:  # the transform was fitted at another quantile: Procrustes rounds at this one
-        weights = [key_weights(b) for b in train]
-        b = a
-        for r in range(1, cfg.rounds + 1):
-            b = refit(train, weights, "content", b, f, group_size)
-            b = b * (math.sqrt(d) / b.norm())
-            try:
-                v = attention_error(val, "content", b, f, group_size)
-            except ValueError:
-                break
-            if v < best[0]:
-                best = (v, b.clone(), r)
-    out = {**info, "clip_val": {"none" if q is None else f"{q:g}": v for q, v in vals.items()},
-           "clip": q_best, "clip_round": best[2], "val_fit": info["val_after"], "val_after": best[0]}  # fmt: skip
-    if q_best == fmt.clip:
-        return codec, out
-    eye = torch.eye(d, dtype=torch.float64, device=dev)
-    keep = None if best[2] == 0 and torch.equal(best[1], eye) else best[1].cpu()
-    return PathCodec(f, transform=keep), out

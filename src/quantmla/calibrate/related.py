@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from quantmla.calibrate import rolaq
 from quantmla.calibrate.methods import LearnConfig
 from quantmla.calibrate.objectives import collect, latent_gain
-from quantmla.calibrate.raq import RaqConfig, fit_path, tune_clip
+from quantmla.calibrate.raq import RaqConfig, fit_path
 from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
 from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.quant.scheme import parse_scheme
@@ -41,16 +41,13 @@ def check_codec_scheme(method: str, scheme: str) -> None:
         )
 
 
-def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None,
-              tune_clipping: bool = False):  # fmt: skip
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None):
     """``(codec, per-layer report rows, content transforms to fuse)`` of ``cfg.method`` (one of
     :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations.
 
     ``long_windows``: ``(train, held-out)`` windows at the served context (``cfg.model_seq_len``), on which
     RAQ-MLA fits its post-RoPE transform: a key after RoPE depends on its position, and a transform fitted on
-    short windows has not seen the angles of the later positions. ``tune_clipping`` (RAQ-MLA's fits inside the
-    combined method): the latent's clipping quantile is then chosen per layer
-    (:func:`~quantmla.calibrate.raq.tune_clip`)."""
+    short windows has not seen the angles of the later positions."""
     scheme = parse_scheme(cfg.scheme)
     rows, layers, fused = [], {}, {}
     if cfg.method == "blockgtq":
@@ -86,8 +83,6 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
                 if path in cfg.paths:
                     train, val = (collect(model, idx, w, cfg.batch_size) for w in data[path])
                     paths[path], row[path] = fit_path(path, train, val, fmt, cfg.group_size, raq, gen)
-                    if tune_clipping and path == "content":
-                        paths[path], row[path] = tune_clip(train, val, paths[path], row[path], cfg.group_size, raq)
                     row[path]["seq_len"] = data[path][0].shape[1]
                     del train, val
                 else:
