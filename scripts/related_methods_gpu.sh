@@ -11,9 +11,8 @@
 # PART 4: the combined method at the three budgets (RAQ-MLA's schemes) and token protection off, detached, over
 # two calls: DEADLINE covers both (e.g. 1000), the second call is `scripts/related_methods_gpu.sh 0 0 collect`;
 # PART 5: the combined method below 3 bits on part 4's saved layer stages, in one call (ROLAQ300=1: and RoLaQ
-# at 300 steps beside it); PART 6: the combined
-# method at RAQ-MLA's INT4 scheme without clipping (c4g128r4p128, 4.25 BPE), its layer stage computed here,
-# and RTN at that scheme, in one call.
+# at 300 steps beside it); PART 6: the combined method at RAQ-MLA's INT4 scheme without clipping (c4g128r4p128,
+# 4.25 BPE), its layer stage computed here, and RTN at that scheme, in one call.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -88,7 +87,7 @@ if [ "$PART" = 5 ]; then
   R="--rope-fit-seq-len 4096 --layer-stages ${STAGES:-out/stages-new}"
   run comb-27 quantmla-raq/c2q94r4p64 "$R"
   run comb-25 quantmla-raq/c2g128q94r4p128 "$R"
-  if [ "${ROLAQ300:-0}" = 1 ]; then  # RoLaQ at the 300 steps of QuantMLA's layer stage (its table rows: 150)
+  if [ "${ROLAQ300:-0}" = 1 ]; then  # RoLaQ at 300 steps, as QuantMLA's layer stage (part 2 ran 150)
     run rolaq300-27 rolaq/c2r4 "--steps 300"
     run rolaq300-25 rolaq/c2g128r4 "--steps 300"
   fi
