@@ -44,6 +44,16 @@ def dummy_model_dir(out: Path) -> str:
     return str(d)
 
 
+def check_model_dir(model: str, schemes: list[str]) -> None:
+    """vLLM's own schemes (``*-vllm``) need the plugin off; a ``quantmla.json`` in the model directory
+    switches it on, so such a row would measure quantmla's cache under vLLM's name: refuse (one line)."""
+    meta = Path(model) / "quantmla.json"
+    own = [s for s in schemes if s.endswith("-vllm")]
+    if own and meta.is_file():
+        raise SystemExit(f"{meta} switches quantmla's plugin on, so scheme {own[0]} would not run vLLM's own"
+                         " cache; remove the file or give a model directory without one")  # fmt: skip
+
+
 def parse_workloads(text: str) -> list[tuple[int, int, int]]:
     """``"5x32768+1024,48x4096+2048"`` -> ``[(requests, prompt, output), ...]``."""
     out = []
@@ -240,6 +250,7 @@ def main() -> None:
             from quantmla.models.loading import resolve_model_path
 
             model = str(resolve_model_path(args.model))
+        check_model_dir(model, [s for s in args.schemes.split(",") if s])
         for budget in (int(float(x) * 2**20) for x in args.budgets_mib.split(",")):
             for scheme in [s for s in args.schemes.split(",") if s]:
                 for row in run(model, scheme, budget, args):

@@ -11,6 +11,9 @@
 #                                              rounded up to a multiple of 8
 #                                              (SEQS=N: one engine of N), windows WINDOWS (default 4,128),
 #                                              schemes S (comma list) at budgets B (MiB, comma list)
+#   bash scripts/serving_gpu.sh serve          `vllm serve` on a DeepSeek-V2-Lite directory (dummy weights, the bundled
+#                                              tokenizer) whose quantmla.json asks for C4R4: two /v1/completions
+#                                              requests, the server's quantmla log lines, then the server stops
 # Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
@@ -37,6 +40,32 @@ pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
     --windows "${WINDOWS:-4,128}";;
-*) sed -n '2,14p' "$0"; exit 2;;
+serve)
+  d=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import serving_pressure as s; \
+print(s.dummy_model_dir(Path('$out/serve')))")
+  cp src/quantmla/assets/tiny-mla/tokenizer.json src/quantmla/assets/tiny-mla/tokenizer_config.json "$d/"
+  printf '{"format": 1, "scheme": "c4r4", "method": "rtn", "group_size": 64, "sink": 4, "recent": 128}\n' \
+    > "$d/quantmla.json"
+  python -m vllm.entrypoints.cli.main serve "$d" --load-format dummy --block-size 64 --max-num-seqs 8 \
+    --max-model-len 32768 --kv-cache-memory-bytes 2147483648 --port 8011 > "$out/serve.log" 2>&1 &
+  pid=$!
+  python - "$d" "$pid" <<'PY' || echo "the serve check failed: see $out/serve.log"
+import json, os, sys, time, urllib.request
+base = "http://localhost:8011"
+for _ in range(600):
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2)
+        break
+    except OSError:
+        os.kill(int(sys.argv[2]), 0)  # the server died: stop here
+        time.sleep(1)
+for prompt in ["The capital of France is", "Once upon a time"]:
+    body = json.dumps({"model": sys.argv[1], "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+    print(urllib.request.urlopen(req, timeout=120).read().decode())
+PY
+  kill "$pid" 2> /dev/null; wait "$pid" || true
+  grep -i -E "quantmla|kv cache|maximum concurrency|error" "$out/serve.log" | head -30;;
+*) sed -n '2,17p' "$0"; exit 2;;
 esac
 cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true
