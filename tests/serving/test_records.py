@@ -52,9 +52,15 @@ def _reference(q_nope, q_pe, c, r, lens, scale):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "c4r4", "c2r4", "fp8"])
-def test_paged_decode_matches_float64_attention(scheme):
-    lay = RecordLayout(scheme, 512, 64, 64)
+@pytest.mark.parametrize(
+    ("scheme", "group"),
+    [("bf16", 64), ("c4r4", 64), ("c2r4", 64), ("fp8", 64), ("c8r8", 64)]
+    + [("c4r4", 16), ("c2r4", 32), ("c4r4", 32), ("c2r4", 16)],
+)
+def test_paged_decode_matches_float64_attention(scheme, group):
+    """Groups smaller than a content plane of codes (16, 32: several a plane) and one (64); on the RoPE
+    key (planes of 16 channels) one group a plane (16) or a group over two or four planes (32, 64)."""
+    lay = RecordLayout(scheme, 512, 64, group)
     gen = torch.Generator().manual_seed(1)
     lens, bs, h = [1, 5, 37, 16, 64], 16, 4
     num_blocks = 40
@@ -74,8 +80,9 @@ def test_paged_decode_matches_float64_attention(scheme):
     q_pe = torch.randn(len(lens), h, 64, generator=gen) / 8
     seq = torch.tensor(lens)
     want = _reference(q_nope, q_pe, cq, rq, lens, 0.1)
-    for max_tokens in (1 << 16, 64):  # one chunk, and chunks of a few requests
-        got = paged_decode(q_nope, q_pe, pages, lay, table, seq, 0.1, max_tokens=max_tokens)
+    # one chunk; groups of a few requests; chunks of one page a request
+    for max_tokens, chunk in ((1 << 16, 4096), (64, 4096), (1 << 16, 16)):
+        got = paged_decode(q_nope, q_pe, pages, lay, table, seq, 0.1, max_tokens=max_tokens, chunk_tokens=chunk)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
