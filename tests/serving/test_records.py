@@ -57,7 +57,8 @@ def _reference(q_nope, q_pe, c, r, lens, scale):
     [("bf16", 64), ("c4r4", 64), ("c2r4", 64), ("fp8", 64), ("c8r8", 64)]
     + [("c4r4", 16), ("c2r4", 32), ("c4r4", 32), ("c2r4", 16)],
 )
-def test_paged_decode_matches_float64_attention(scheme, group):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_paged_decode_matches_float64_attention(scheme, group, backend):
     """Groups smaller than a content plane of codes (16, 32: several a plane) and one (64); on the RoPE
     key (planes of 16 channels) one group a plane (16) or a group over two or four planes (32, 64)."""
     lay = RecordLayout(scheme, 512, 64, group)
@@ -82,7 +83,9 @@ def test_paged_decode_matches_float64_attention(scheme, group):
     want = _reference(q_nope, q_pe, cq, rq, lens, 0.1)
     # one chunk; groups of a few requests; chunks of one page a request
     for max_tokens, chunk in ((1 << 16, 4096), (64, 4096), (1 << 16, 16)):
-        got = paged_decode(q_nope, q_pe, pages, lay, table, seq, 0.1, max_tokens=max_tokens, chunk_tokens=chunk)
+        got = paged_decode(
+            q_nope, q_pe, pages, lay, table, seq, 0.1, max_tokens=max_tokens, chunk_tokens=chunk, backend=backend
+        )
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -95,3 +98,13 @@ def test_byte_wise_unpack_equals_the_kernels_unpack(bits, planes):
     packed = pack_words(codes, bits, planes)
     assert torch.equal(unpack_planar(packed, bits, planes), codes.to(torch.uint8))
     assert torch.equal(unpack_planar(packed, bits, planes), unpack_words(packed, bits, planes))
+
+
+def test_paged_decode_backend_errors():
+    lay = RecordLayout("fp8", 512, 64, 64)
+    pages = torch.zeros(2, 16, lay.record_bytes, dtype=torch.uint8)
+    q, table, seq = torch.zeros(1, 4, 576), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3])
+    with pytest.raises(ValueError, match="backend='triton'; valid: auto, torch, cpp"):
+        paged_decode(q[..., :512], q[..., 512:], pages, lay, table, seq, 0.1, backend="triton")
+    with pytest.raises(RuntimeError, match="no planar 2- or 4-bit codes"):
+        paged_decode(q[..., :512], q[..., 512:], pages, lay, table, seq, 0.1, backend="cpp")

@@ -1,4 +1,10 @@
-"""MLA decode over paged token records in torch: the engine's CPU path (no Python loop over requests).
+"""MLA decode over paged token records on the CPU: the engine's CPU path (no Python loop over requests).
+
+Two implementations of the same float32 arithmetic: for planar 2- and 4-bit records (``c4r4``, ``c2r4``) the
+fused C++ decode of :mod:`quantmla.kernels.cpu` (one pass a tile of tokens: dequantise, score every head,
+online softmax, accumulate; 1.2-1.9x faster than the torch path below on a 2-core EPYC), JIT-built on first use;
+where it cannot be built (no compiler or ninja: ``quantmla[cpu]``), or for other formats, the torch path
+below. ``backend`` chooses (:data:`BACKENDS`) and the log says once which one ran.
 
 For a batch of requests with block tables into field-major pages ``[num_blocks, block_size, record_bytes]``
 (:meth:`~quantmla.serving.records.RecordLayout.page_view`), only the pages the batch references are
@@ -21,6 +27,8 @@ over all channels on this CPU.) Other formats decode through
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
@@ -28,6 +36,19 @@ from quantmla.serving.records import RecordLayout
 
 #: tokens (over all requests of a group) decoded at once: ~9 MB of float32 tile at 512 + 64
 CHUNK_TOKENS = 4096
+#: ``backend`` of :func:`paged_decode`: ``auto`` takes the fused C++ decode where it applies and builds
+#: (planar 2- and 4-bit records on the CPU), else the torch path; ``torch`` and ``cpp`` force one
+BACKENDS = ("auto", "torch", "cpp")
+
+logger = logging.getLogger(__name__)
+_LOGGED: set[str] = set()
+
+
+def _log_once(msg: str, *args) -> None:
+    key = msg % args
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(key)
 
 
 class _Path:
@@ -97,6 +118,7 @@ def paged_decode(
     window_len: torch.Tensor | None = None,
     paged_start: torch.Tensor | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention output ``[B, H, d_c]`` (``q_nope``'s dtype) of one decode token per request.
 
@@ -106,14 +128,20 @@ def paged_decode(
     (:mod:`quantmla.serving.windows`): paged positions before ``paged_start [B]`` are left out and the
     unquantised rows ``window [B, W, d_c + d_r]`` (the first ``window_len [B]`` of each) join the softmax.
     ``max_tokens``: padded tokens per group of requests (requests are grouped by length);
-    ``chunk_tokens``: tokens decoded at once.
+    ``chunk_tokens``: tokens decoded at once. ``backend``: one of :data:`BACKENDS`; which one ran is logged
+    once.
     """
+    fused, what = fused_decode(layout, records.device, backend)
+    _log_once("quantmla paged decode: %s", what)
+    paths = (_Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim))
+    if fused is not None:
+        return _decode_fused(fused, q_nope, q_pe, records, layout, paths, block_table, seq_lens, scale, window,
+                             window_len, paged_start)  # fmt: skip
     b, h, _ = q_nope.shape
     bs = records.shape[1]
     out = torch.empty(b, h, layout.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
     lens = lengths if lengths is not None else seq_lens.tolist()
     order = sorted(range(b), key=lens.__getitem__)
-    paths = (_Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim))
     i = 0
     while i < b:  # groups of requests sorted by length: each group pads to its own longest request
         j = i + 1
@@ -129,6 +157,53 @@ def paged_decode(
                            seq_lens[idx].long(), scale, win, per_chunk)  # fmt: skip
         i = j
     return out
+
+
+def fused_decode(layout: RecordLayout, device: torch.device | str, backend: str = "auto"):
+    """``(extension, what)``: the fused C++ decode's extension if ``backend`` takes it for ``layout``'s records
+    on ``device`` (else ``None``: the torch path), and a line for the log saying which runs and why.
+    ``backend="cpp"`` where it cannot run raises."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return None, "the torch path (asked for)"
+    paths = (_Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim))
+    why = None
+    if torch.device(device).type != "cpu":
+        why = f"the records are on {torch.device(device).type}, the fused decode runs on the CPU"
+    elif not all(p.planar for p in paths):
+        why = "the scheme has no planar 2- or 4-bit codes"
+    if why is None:
+        from quantmla.kernels.cpu.build import CPUExtensionUnavailable, extension
+
+        try:
+            return extension(), "the fused C++ decode (quantmla.kernels.cpu)"
+        except CPUExtensionUnavailable as e:
+            why = f"the fused CPU decode is unavailable: it needs {e}"
+    if backend == "cpp":
+        raise RuntimeError(f"paged_decode(backend='cpp'): {why}")
+    return None, f"the torch path ({why})"
+
+
+def _decode_fused(ext, q_nope, q_pe, records, layout, paths, block_table, seq_lens, scale, window, window_len,
+                  paged_start) -> torch.Tensor:  # fmt: skip
+    b = q_nope.shape[0]
+    q = torch.cat([q_nope, q_pe], dim=-1).float().contiguous()
+    width = q.shape[-1]
+    desc = []
+    for p in paths:
+        codes_off, code_bytes = layout.fields[f"{p.name}_codes"]
+        desc.append([codes_off, layout.fields[f"{p.name}_sm"][0], code_bytes, p.bits, p.planes, p.dim, p.group])
+    zeros = torch.zeros(b, dtype=torch.int64)
+    if window is None:
+        rows, count, start = torch.zeros(b, 0, width), zeros, zeros
+    else:
+        rows, count, start = window.float().contiguous(), window_len.long(), paged_start.long()
+    if records.stride(2) != 1 or records.stride(1) != records.shape[2]:  # pages must be contiguous, not the tensor
+        records = records.contiguous()
+    out = ext.paged_decode(q, records, block_table.int().contiguous(), seq_lens.long(), start, rows,
+                           count, float(scale), desc[0], desc[1])  # fmt: skip
+    return out.to(q_nope.dtype)
 
 
 def _attend(q_nope, q_pe, records, layout, paths, blocks, seq_lens, scale, win, per_chunk) -> torch.Tensor:

@@ -30,9 +30,9 @@ import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from quantmla.serving.paged_decode import paged_decode
+from quantmla.serving.paged_decode import fused_decode, paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, mla_geometry
+from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
@@ -73,6 +73,10 @@ class QuantMLACPUImpl(CPUMLAImpl):
         self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
                                                             sel.group_size)  # fmt: skip
         self.windows = None if self.layout is None else LayerWindows.for_layer(sel, self.layout)
+        if self.layout is not None and self.layout.scheme != "bf16":  # bf16 records: vLLM's own CPU kernel
+            # which decode runs (the fused C++ one is built here, at engine start, on first use)
+            _, what = fused_decode(self.layout, "cpu")
+            log_once("quantmla plugin: %s decode on the CPU through %s", sel.scheme, what)
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:

@@ -1,0 +1,1 @@
+"""quantmla's fused CPU decode (a C++ extension JIT-built on first use; :mod:`quantmla.kernels.cpu.build`)."""
