@@ -254,9 +254,10 @@ def main() -> None:
             from quantmla.models.loading import resolve_model_path
 
             model = str(resolve_model_path(args.model))
-        check_model_dir(model, [s for s in args.schemes.split(",") if s])
+        schemes = [s for s in args.schemes.split(",") if s]
+        check_model_dir(model, schemes)
         for budget in (int(float(x) * 2**20) for x in args.budgets_mib.split(",")):
-            for scheme in [s for s in args.schemes.split(",") if s]:
+            for scheme in schemes:
                 for row in run(model, scheme, budget, args):
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -89,6 +89,11 @@ class _Path:
                               out=xk.unflatten(1, (per, self.group)))  # fmt: skip
 
 
+def _paths(layout: RecordLayout) -> tuple[_Path, _Path]:
+    """The content and RoPE-key paths of ``layout``'s records."""
+    return _Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim)
+
+
 def _decode_other(layout: RecordLayout, records: torch.Tensor, blocks: torch.Tensor, valid: torch.Tensor,
                   x: torch.Tensor) -> None:  # fmt: skip
     """Content and RoPE key of a format without planar codes into the tile ``x [n, d_c + d_r, T]`` (a
@@ -133,7 +138,7 @@ def paged_decode(
     """
     fused, what = fused_decode(layout, records.device, backend)
     _log_once("quantmla paged decode: %s", what)
-    paths = (_Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim))
+    paths = _paths(layout)
     if fused is not None:
         return _decode_fused(fused, q_nope, q_pe, records, layout, paths, block_table, seq_lens, scale, window,
                              window_len, paged_start)  # fmt: skip
@@ -167,7 +172,7 @@ def fused_decode(layout: RecordLayout, device: torch.device | str, backend: str 
         raise ValueError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
     if backend == "torch":
         return None, "the torch path (asked for)"
-    paths = (_Path(layout, "c", layout.kv_lora_rank), _Path(layout, "r", layout.rope_dim))
+    paths = _paths(layout)
     why = None
     if torch.device(device).type != "cpu":
         why = f"the records are on {torch.device(device).type}, the fused decode runs on the CPU"
