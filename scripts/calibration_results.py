@@ -88,7 +88,7 @@ def main() -> None:
     base, tok = quantmla.load(device=args.device, dtype=DTYPES[args.dtype])
     quantmla.enable_latent_attention(base)
     calib_text, test_text = builtin_text("validation"), builtin_text("test")
-    results, layers, times = [], {}, {}
+    results, layers, times, allocations = [], {}, {}, {}
 
     def evaluate(model, scheme, sink, recent) -> dict:
         cfg = PerplexityConfig(
@@ -107,6 +107,7 @@ def main() -> None:
     def dump() -> None:
         data = {"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "layers": layers}
         data["calibration_seconds"] = times
+        data["allocations"] = allocations
         (args.out / "results.json").write_text(json.dumps(data, indent=1))
 
     settings = {"both": ((4, 128), (0, 0)), "with": ((4, 128),), "without": ((0, 0),)}[args.windows]
@@ -160,6 +161,8 @@ def main() -> None:
             key = tag if method not in QUANTMLA_METHODS else f"{tag}@{c_sink}+{c_recent}"
             times[key] = time.perf_counter() - t0
             layers[key] = rep.layers
+            if rep.allocation is not None:  # raq-alloc: the formats it gave each layer, and why
+                allocations[key] = rep.allocation
             if method in QUANTMLA_METHODS and stage is None:
                 stage = rep.layer_stage
                 times[f"{tag}:layer-stage"] = times[key]

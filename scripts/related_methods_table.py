@@ -41,7 +41,7 @@ def bpe(method: str, scheme: str, layers: list[dict] | None) -> float:
 
 #: the comparison's three budgets (bits per element); a row belongs to the nearest
 BUDGETS = (4.5, 2.9, 2.65)
-OURS = ("quantmla", "quantmla-raq")
+OURS = ("quantmla", "quantmla-raq", "raq-alloc")
 PUBLISHED = ("smoothquant", "quarot", "raq", "rolaq", "blockgtq")
 
 

@@ -7,6 +7,8 @@ tokens, QuantMLA's layer stage 50 steps and model stage 30, evaluation on `quant
     python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4t --methods rtn,raq --model-seq-len 4096
     python benchmarks/experiments/combined_cpu.py --scheme c2g128q94r4p128 --methods rtn,raq,quantmla-raq \
         --rope-fit-seq-len 4096
+    python benchmarks/experiments/combined_cpu.py --scheme c2q94r4p64 --methods rtn,raq,raq-alloc \
+        --rope-fit-seq-len 4096
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ def main() -> None:
                                spread=True, kl=True, per_window=True, batch_size=2)  # fmt: skip
         r = perplexity(model, tok, test, cfg, progress=False)
         rows[method] = {"ppl": r.ppl, "kl": r.kl, "bpe": r.bits_per_element, "calibration_s": secs,
-                        "window_nll": r.window_nll}  # fmt: skip
-        print(json.dumps({k: v for k, v in rows[method].items() if k != "window_nll"} | {"method": method}), flush=True)
+                        "window_nll": r.window_nll, "allocation": rep.allocation}  # fmt: skip
+        shown = {k: v for k, v in rows[method].items() if k not in ("window_nll", "allocation")}
+        if rep.allocation is not None:
+            shown["schemes"] = rep.allocation["schemes"]
+        print(json.dumps(shown | {"method": method}), flush=True)
     print("| method | scheme | BPE | ppl | KL | vs RTN (paired 95%) | calibration (s, CPU) |")
     print("|---|---|---|---|---|---|---|")
     for m, r in rows.items():
@@ -60,10 +65,11 @@ def main() -> None:
             cmp = f"{100 * (r['ppl'] / rows['rtn']['ppl'] - 1):+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
         print(f"| {m} | `{args.scheme}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | {cmp} | "
               f"{r['calibration_s']:.0f} |")  # fmt: skip
-    if "raq" in rows and "quantmla-raq" in rows:
-        a, b = rows["raq"], rows["quantmla-raq"]
-        lo, hi = paired_bootstrap(a["window_nll"], b["window_nll"], 4095)
-        print(f"quantmla-raq vs raq: {100 * (b['ppl'] / a['ppl'] - 1):+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]")
+    for m in ("quantmla-raq", "raq-alloc"):
+        if "raq" in rows and m in rows:
+            a, b = rows["raq"], rows[m]
+            lo, hi = paired_bootstrap(a["window_nll"], b["window_nll"], 4095)
+            print(f"{m} vs raq: {100 * (b['ppl'] / a['ppl'] - 1):+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

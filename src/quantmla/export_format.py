@@ -17,7 +17,7 @@ from quantmla.quant.scheme import parse_scheme
 META_FILE = "quantmla.json"
 CODEC_FILE = "quantmla_codec.safetensors"
 META_FORMAT = 1
-METHODS = ("rtn", "smoothquant", "quarot", "quantmla", "raq", "blockgtq", "rolaq", "quantmla-raq")
+METHODS = ("rtn", "smoothquant", "quarot", "quantmla", "raq", "blockgtq", "rolaq", "quantmla-raq", "raq-alloc")
 _CODEC_FIELDS = ("transform", "clip_ratio", "gain")
 
 # the keys every quantmla.json has, and their JSON types (bool is not an int here)

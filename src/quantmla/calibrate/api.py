@@ -151,10 +151,13 @@ class CalibrationReport:
     #: a codec method's result (raq, blockgtq): per-layer formats and fitted write-side parameters
     codec: ModelCodec | None = field(default=None, repr=False)
     layer_stage: LayerStage | None = field(default=None, repr=False)  # reusable by calibrate(layer_stage=)
+    #: raq-alloc's allocation of formats to layers: the budget, the held-out KL of every option, the schemes
+    allocation: dict | None = None
 
     def to_dict(self) -> dict:
         d = {"config": asdict(self.config), "data_sha256": self.data_sha256, "layers": self.layers}
         d["model_level"] = self.model_level
+        d["allocation"] = self.allocation
         return d
 
 
@@ -187,7 +190,9 @@ def calibrate_model(
         if layer_stage is not None:
             raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
         long = _rope_fit_windows(cfg, train_w, val_w)
-        report.codec, report.layers, fused = fit_codec(model, adapter, modules, train_w, val_w, cfg, progress, long)
+        report.codec, report.layers, fused, report.allocation = fit_codec(
+            model, adapter, modules, train_w, val_w, cfg, progress, long
+        )
         for idx, attn in modules:
             if idx in fused:
                 fuse_content(adapter, attn, fused[idx])
@@ -412,6 +417,8 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         if report.model_level is None
         else {**report.model_level, "steps": cfg.model_steps, "lr": cfg.model_lr},
     }
+    if report.allocation is not None:
+        meta["allocation"] = report.allocation
     if report.codec is not None:
         meta["layer_schemes"] = write_codec(out, report.codec)[1]
     write_meta(out, meta)

@@ -1,4 +1,5 @@
-"""The seed papers' methods whose result is a cache codec (``raq``, ``blockgtq``, ``rolaq``).
+"""The seed papers' methods whose result is a cache codec (``raq``, ``blockgtq``, ``rolaq``), and ``raq-alloc``
+(RAQ-MLA's transforms with the formats allocated across layers, :mod:`~quantmla.calibrate.layer_alloc`).
 
 Their parameters cannot all be fused into the weights (RAQ-MLA's general ``A_c`` after the norm and ``A_R``
 after RoPE, RoLaQ's learned ranges) or are formats that differ by layer (Block-GTQ's widths per RoPE pair), so
@@ -13,14 +14,15 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.calibrate import rolaq
+from quantmla.calibrate.layer_alloc import allocate, layer_menu, menu_options
 from quantmla.calibrate.methods import LearnConfig
 from quantmla.calibrate.objectives import collect, latent_gain
 from quantmla.calibrate.raq import RaqConfig, fit_path
 from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
 from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
-from quantmla.quant.scheme import parse_scheme
+from quantmla.quant.scheme import PathFormat, parse_scheme
 
-CODEC_METHODS = ("raq", "blockgtq", "rolaq")
+CODEC_METHODS = ("raq", "blockgtq", "rolaq", "raq-alloc")
 
 
 def check_codec_scheme(method: str, scheme: str) -> None:
@@ -42,12 +44,14 @@ def check_codec_scheme(method: str, scheme: str) -> None:
 
 
 def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None):
-    """``(codec, per-layer report rows, content transforms to fuse)`` of ``cfg.method`` (one of
-    :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations.
+    """``(codec, per-layer report rows, content transforms to fuse, allocation report)`` of ``cfg.method`` (one
+    of :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations, the
+    allocation report ``None`` except for ``raq-alloc``.
 
     ``long_windows``: ``(train, held-out)`` windows at the served context (``cfg.model_seq_len``), on which
     RAQ-MLA fits its post-RoPE transform: a key after RoPE depends on its position, and a transform fitted on
-    short windows has not seen the angles of the later positions."""
+    short windows has not seen the angles of the later positions; ``raq-alloc`` measures its held-out KL on
+    the held-out ones."""
     scheme = parse_scheme(cfg.scheme)
     rows, layers, fused = [], {}, {}
     if cfg.method == "blockgtq":
@@ -72,22 +76,78 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
             layers[idx] = LayerCodec(content, PathCodec(scheme.rope))
             rows.append({"layer": idx, "content": info, "rope": {"format": scheme.rope.spec}})
             del train, val
+    elif cfg.method == "raq-alloc":
+        codec, rows, report = _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_windows)
+        return codec, rows, fused, report
     else:
-        raq = RaqConfig()
-        desc = f"calibrate {cfg.method} {cfg.scheme}"
-        for idx, _ in tqdm(modules, desc=desc, unit="layer", disable=not progress):
-            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
-            data = {"content": (train_w, val_w), "rope": long_windows or (train_w, val_w)}
-            paths, row = {}, {"layer": idx}
-            for path, fmt in (("content", scheme.content), ("rope", scheme.rope)):
-                if path in cfg.paths:
-                    train, val = (collect(model, idx, w, cfg.batch_size) for w in data[path])
-                    paths[path], row[path] = fit_path(path, train, val, fmt, cfg.group_size, raq, gen)
-                    row[path]["seq_len"] = data[path][0].shape[1]
-                    del train, val
-                else:
-                    paths[path], row[path] = PathCodec(fmt), {"init": "original"}
-            layers[idx] = LayerCodec(paths["content"], paths["rope"])
-            rows.append(row)
+        fits = _raq_fits(model, modules, train_w, val_w, cfg, scheme.content, scheme.rope, cfg.paths, progress,
+                         long_windows)  # fmt: skip
+        for (idx, _), paths in zip(modules, fits, strict=True):
+            layers[idx] = LayerCodec(paths["content"][0], paths["rope"][0])
+            rows.append({"layer": idx, **{p: info for p, (_, info) in paths.items()}})
     name = f"{cfg.method} {scheme.name}"
-    return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows, fused
+    return ModelCodec(name, tuple(layers[i] for i in sorted(layers))), rows, fused, None
+
+
+def _raq_fits(model, modules, train_w, val_w, cfg, content: PathFormat, rope: PathFormat, paths, progress,
+              long_windows) -> list[dict[str, tuple[PathCodec, dict]]]:  # fmt: skip
+    """Per layer (``modules`` order) and path, RAQ-MLA's fit ``(path codec, report)`` at the given formats; a
+    path not in ``paths`` keeps its format alone."""
+    raq = RaqConfig()
+    fmts = {"content": content, "rope": rope}
+    out = []
+    spec = f"c{content.spec}r{rope.spec}" + ("" if set(paths) == {"content", "rope"} else f" {'+'.join(paths)}")
+    for idx, _ in tqdm(modules, desc=f"calibrate raq {spec}", unit="layer", disable=not progress):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
+        data = {"content": (train_w, val_w), "rope": long_windows or (train_w, val_w)}
+        layer = {}
+        for path, fmt in fmts.items():
+            if path in paths:
+                train, val = (collect(model, idx, w, cfg.batch_size) for w in data[path])
+                codec, info = fit_path(path, train, val, fmt, cfg.group_size, raq, gen)
+                info["seq_len"] = data[path][0].shape[1]
+                layer[path] = (codec, info)
+                del train, val
+            else:
+                layer[path] = (PathCodec(fmt), {"init": "original"})
+        out.append(layer)
+    return out
+
+
+def _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_windows):
+    """RAQ-MLA's fits at every format of :func:`~quantmla.calibrate.layer_alloc.layer_menu`, then the formats
+    allocated across layers (:func:`~quantmla.calibrate.layer_alloc.allocate`) within the scheme's bytes."""
+    scheme = parse_scheme(cfg.scheme)
+    content, rope = layer_menu(scheme)
+    fitted: dict[tuple[str, str], list] = {}
+    for fmt in content:  # a content fit does not depend on the RoPE key's format, nor a RoPE fit on the latent's
+        if "content" in cfg.paths:
+            fits = _raq_fits(model, modules, train_w, val_w, cfg, fmt, scheme.rope, ("content",), progress, None)
+            fitted["content", fmt.spec] = [f["content"] for f in fits]
+    for fmt in rope:
+        if "rope" in cfg.paths:
+            fits = _raq_fits(model, modules, train_w, val_w, cfg, scheme.content, fmt, ("rope",), progress,
+                             long_windows)  # fmt: skip
+            fitted["rope", fmt.spec] = [f["rope"] for f in fits]
+    dims = adapter.dims(model.config)
+    opts = menu_options(content, rope, dims.kv_lora_rank, dims.rope_dim, cfg.group_size)
+    per_layer = []
+    for i in range(len(modules)):
+        row = []
+        for nbytes, cf, rf in opts:
+            c = fitted["content", cf.spec][i][0] if ("content", cf.spec) in fitted else PathCodec(cf)
+            r = fitted["rope", rf.spec][i][0] if ("rope", rf.spec) in fitted else PathCodec(rf)
+            row.append((nbytes, LayerCodec(c, r)))
+        per_layer.append(row)
+    budget = scheme.bytes_per_token(dims.kv_lora_rank, dims.rope_dim, cfg.group_size)
+    windows = long_windows[1] if long_windows is not None else val_w
+    name = f"raq-alloc {scheme.name}"
+    codec, report = allocate(model, per_layer, budget, windows, cfg.group_size, cfg.sink, cfg.recent,
+                             cfg.batch_size, name, progress)  # fmt: skip
+    rows = []
+    for i, ((idx, _), lc) in enumerate(zip(modules, codec.layers, strict=True)):
+        row = {"layer": idx, "scheme": lc.scheme.name}
+        for (path, spec), fits in fitted.items():
+            row.setdefault(path, {})[spec] = fits[i][1]
+        rows.append(row)
+    return codec, rows, report

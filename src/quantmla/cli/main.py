@@ -140,7 +140,9 @@ def calibrate(
         help="quantmla, rtn, smoothquant, quarot, or a seed paper's method: raq (RAQ-MLA's write-side transforms, "
         "e.g. with --scheme c2g128q94r4p128), blockgtq (Block-GTQ's RoPE widths per layer, e.g. --scheme c4r3t), rolaq "
         "(RoLaQ's refined rotation and learned ranges, e.g. --scheme c2r4); or quantmla-raq: QuantMLA's fused "
-        "transforms, then RAQ-MLA's write-side transforms on the fused model (e.g. --scheme c2g128q94r4t).",
+        "transforms, then RAQ-MLA's write-side transforms on the fused model (e.g. --scheme c2g128q94r4t); or "
+        "raq-alloc: RAQ-MLA's transforms with each layer's formats allocated by held-out KL within the scheme's "
+        "bits (e.g. --scheme c2q94r4p64).",
     ),
     steps: int = typer.Option(300, min=0, help="Learning steps per path and layer (quantmla)."),
     model_steps: int = typer.Option(
@@ -161,7 +163,7 @@ def calibrate(
     rope_fit_seq_len: int = typer.Option(
         None,
         min=2,
-        help="Tokens per sequence of RAQ-MLA's post-RoPE fit (raq, quantmla-raq; default: --model-seq-len).",
+        help="Tokens per sequence of RAQ-MLA's post-RoPE fit (raq, raq-alloc, quantmla-raq; default: --model-seq-len).",
     ),  # fmt: skip
     batch_size: int = typer.Option(4, min=1, help="Sequences per forward."),
     sink: int = typer.Option(4, min=0, help="Sink tokens kept unquantised (recorded for decode)."),
