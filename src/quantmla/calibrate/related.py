@@ -10,6 +10,8 @@ Each layer's report row holds the held-out values the choice was made on.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from tqdm.auto import tqdm
 
@@ -22,6 +24,7 @@ from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
 from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.quant.scheme import PathFormat, parse_scheme
 
+logger = logging.getLogger(__name__)
 CODEC_METHODS = ("raq", "blockgtq", "rolaq", "raq-alloc")
 
 
@@ -144,6 +147,8 @@ def _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_wind
     name = f"raq-alloc {scheme.name}"
     codec, report = allocate(model, per_layer, budget, windows, cfg.group_size, cfg.sink, cfg.recent,
                              cfg.batch_size, name, progress)  # fmt: skip
+    logger.info("raq-alloc: per-layer schemes %s (%.4g of %.4g bytes a token)", ", ".join(report["schemes"]),
+                report["bytes_per_token"], budget)  # fmt: skip
     rows = []
     for i, ((idx, _), lc) in enumerate(zip(modules, codec.layers, strict=True)):
         row = {"layer": idx, "scheme": lc.scheme.name}
