@@ -16,11 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from float64_codec import float64_norms, unquantised_logit_gap
 from quantmla.calibrate import calibrate_model, export
 from quantmla.calibrate.layer_alloc import greedy, layer_menu, menu_options
-from quantmla.eval.simulate import simulated_decode
 from quantmla.models.loading import inspect_model
-from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.quant.scheme import parse_scheme
 from tiny_models import tiny_model
 
@@ -103,16 +102,9 @@ def test_layer_menu_follows_its_rule(scheme, content, rope):
     assert any(o[1] == s.content and o[2] == s.rope for o in opts)  # the scheme itself is one option
 
 
-def _float64_norms(model) -> None:
-    for mod in model.modules():
-        if type(mod).__name__.endswith("RMSNorm"):
-            mod.forward = lambda x, m=mod: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                                                       + m.variance_epsilon))  # fmt: skip
-
-
 def test_raq_alloc_keeps_the_budget_and_the_float64_function(tmp_path):
     model = tiny_model("deepseek_v3", dtype=torch.float64)
-    _float64_norms(model)
+    float64_norms(model)
     scheme = "c2q94r4p8"
     _, rep = calibrate_model(model, None, _ids(), scheme=scheme, method="raq-alloc", model_seq_len=64, **TINY)
     alloc, codec = rep.allocation, rep.codec
@@ -128,17 +120,8 @@ def test_raq_alloc_keeps_the_budget_and_the_float64_function(tmp_path):
     want = greedy([[o[0] for o in opts]] * len(codec.layers), gains, alloc["budget_bytes_per_token"] * len(gains))
     assert alloc["schemes"] == [names[k] for k in want] == [lc.scheme.name for lc in codec.layers]
     # every layer's transforms with nothing quantised: the float64 logits are kept
-    bf16 = parse_scheme("bf16")
-    plain = ModelCodec("unquantised", tuple(
-        LayerCodec(PathCodec(bf16.content, lc.content.transform), PathCodec(bf16.rope, lc.rope.transform))
-        for lc in codec.layers))  # fmt: skip
     assert any(lc.content.transform is not None or lc.rope.transform is not None for lc in codec.layers)
-    probe = _ids(2, 24, seed=5)
-    with torch.no_grad():
-        want_logits = model(probe, use_cache=False).logits
-        with simulated_decode(model, plain, sink=0, recent=0):
-            got = model(probe, use_cache=False).logits
-    assert (got - want_logits).abs().max().item() <= 1e-9
+    assert unquantised_logit_gap(model, codec, _ids(2, 24, seed=5)) <= 1e-9
 
     class Tok:
         def save_pretrained(self, path):

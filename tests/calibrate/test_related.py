@@ -13,12 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from float64_codec import float64_norms, unquantised_logit_gap
 from quantmla.calibrate import CalibrationConfig, calibrate_model, export, layer_stage
 from quantmla.cli.main import app
 from quantmla.eval.simulate import simulated_decode
 from quantmla.models.loading import inspect_model
-from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
-from quantmla.quant.scheme import parse_scheme
 from tiny_models import tiny_model
 
 TINY = dict(num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)
@@ -38,15 +37,7 @@ def test_raq_transforms_are_exact_at_full_precision_and_never_worse_held_out():
             vals = row[path]["candidate_val"]
             assert row[path]["val_after"] <= min(vals.values()) + 1e-15
     # the same transforms with nothing quantised: the float64 function is kept (query compensation included)
-    unquantised = ModelCodec("raq bf16", tuple(
-        LayerCodec(PathCodec(parse_scheme("bf16").content, lc.content.transform),
-                   PathCodec(parse_scheme("bf16").rope, lc.rope.transform)) for lc in codec.layers))  # fmt: skip
-    probe = _ids(2, 24, seed=5)
-    with torch.no_grad():
-        want = model(probe, use_cache=False).logits
-        with simulated_decode(model, unquantised, sink=0, recent=0):
-            got = model(probe, use_cache=False).logits
-    assert (got - want).abs().max().item() <= 1e-9
+    assert unquantised_logit_gap(model, codec, _ids(2, 24, seed=5)) <= 1e-9
 
 
 def test_blockgtq_spends_the_budget_per_layer_and_round_trips_the_export(tmp_path):
@@ -95,39 +86,16 @@ def test_cli_refuses_schemes_a_method_cannot_calibrate(tmp_path, args, message):
     assert res.exit_code != 0 and message in res.output and "Traceback" not in res.output
 
 
-def _float64_norms(model) -> None:
-    """transformers' RMSNorm computes in float32; here in float64, as the bar is 1e-9."""
-    for mod in model.modules():
-        if type(mod).__name__.endswith("RMSNorm"):
-            mod.forward = lambda x, m=mod: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                                                       + m.variance_epsilon))  # fmt: skip
-
-
-def _unquantised(codec: ModelCodec) -> ModelCodec:
-    """``codec``'s write-side transforms with nothing quantised (bf16 formats; learned ranges need none)."""
-    bf16 = parse_scheme("bf16")
-    return ModelCodec("unquantised", tuple(
-        LayerCodec(PathCodec(bf16.content, lc.content.transform), PathCodec(bf16.rope, lc.rope.transform))
-        for lc in codec.layers))  # fmt: skip
-
-
 @pytest.mark.parametrize(
     "method,scheme", [("rolaq", "c2r4"), ("quantmla-raq", "c2g64q94r4t"), ("quantmla-raq", "c2g64q94r4p8")]
 )
 def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
-    import copy
-
     model = tiny_model("deepseek_v3", dtype=torch.float64)
     ref = copy.deepcopy(model)
     for m in (model, ref):
-        _float64_norms(m)
+        float64_norms(m)
     fused, report = calibrate_model(model, None, _ids(), scheme=scheme, method=method, steps=6, model_steps=3, **TINY)
-    probe = _ids(2, 24, seed=5)
-    with torch.no_grad():
-        want = ref(probe, use_cache=False).logits
-        with simulated_decode(fused, _unquantised(report.codec), sink=0, recent=0):
-            got = fused(probe, use_cache=False).logits
-    assert (got - want).abs().max().item() <= 1e-9
+    assert unquantised_logit_gap(fused, report.codec, _ids(2, 24, seed=5), reference=ref) <= 1e-9
     changed = any(not torch.equal(a, b) for a, b in zip(fused.state_dict().values(), ref.state_dict().values(),
                                                           strict=True))  # fmt: skip
     assert changed  # a rotation (RoLaQ) or QuantMLA's transforms were fused
@@ -182,7 +150,7 @@ def test_combined_method_carries_the_unfused_fit_exactly():
     unfused = tiny_model("deepseek_v3", dtype=torch.float64)
     fused = copy.deepcopy(unfused)
     for m in (unfused, fused):  # after the copy: the patched norms hold their own module
-        _float64_norms(m)
+        float64_norms(m)
     _, raq = calibrate_model(unfused, None, _ids(), scheme=scheme, method="raq", **TINY)
     _, rep = calibrate_model(fused, None, _ids(), scheme=scheme, method="quantmla", steps=6, model_steps=0, **TINY)
     adapter = get_adapter(unfused)
