@@ -12,8 +12,8 @@
 # two calls: DEADLINE covers both (e.g. 1000), the second call is `scripts/related_methods_gpu.sh 0 0 collect`;
 # PART 5: the combined method below 3 bits on part 4's saved layer stages, in one call (ROLAQ300=1: and RoLaQ
 # at 300 steps beside it); PART 6: the combined method at RAQ-MLA's INT4 scheme without clipping (c4g128r4p128,
-# 4.25 BPE), its layer stage computed here, and RTN at that scheme, in one call; PART 7: raq-alloc, the
-# combined method with bits allocated across layers, detached over two calls (below).
+# 4.25 BPE), its layer stage computed here, and RTN at that scheme, in one call; PART 7: raq-alloc, RAQ-MLA's
+# transforms with bits allocated across layers, beside RAQ-MLA at one scheme, in one call (below).
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -26,7 +26,7 @@ pack() {  # the saved layer stages travel as their own files (parts 4 and 5), no
     mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"
 }
 packer=
-case $PART in 1|2|3|5) (while sleep 20; do pack; done) & packer=$! ;; esac
+case $PART in 1|2|3|5|7) (while sleep 20; do pack; done) & packer=$! ;; esac
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30 - $(date +%s) + t0)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
@@ -55,27 +55,14 @@ collect() {  # PART 4's foreground: wait for the detached runs (or $1 seconds), 
 }
 if [ "$PART" = collect ]; then W=/tmp/rel${COLLECT_PART:-4}; collect "${COLLECT_S:-560}"; fi
 if [ "$PART" = 7 ]; then
-  # raq-alloc (RAQ-MLA's transforms, each layer's formats allocated by held-out KL within the scheme's bits) at
-  # the three budgets and without the windows at ~2.9 BPE, and RAQ-MLA with its post-RoPE fit at 4,096-token
-  # windows beside it; detached from a copy of the code in /tmp (the runs outlive the call): collect with
-  # `COLLECT_PART=7 scripts/related_methods_gpu.sh 0 0 collect` in the next call, at once, until $W/done
-  W=/tmp/rel7; mkdir -p "$W/logs"
-  if [ -z "${DETACHED:-}" ]; then
-    [ -d "$W/code" ] || { mkdir -p "$W/code" && cp -r src scripts "$W/code/"; }
-    DETACHED=1 setsid nohup bash "$W/code/scripts/related_methods_gpu.sh" "$@" > "$W/detached.log" 2>&1 < /dev/null &
-    collect "${COLLECT_S:-560}"
-  fi
-  cd "$W/code"
-  R="--rope-fit-seq-len 4096"
-  run alloc-27 raq-alloc/c2q94r4p64 "$R"
-  run alloc-25 raq-alloc/c2g128q94r4p128 "$R"
-  run alloc-45 raq-alloc/c4r4 "$R"
-  run nw-alloc-27 raq-alloc/c2q94r4p64 "$R --windows without"
-  run raq4k-27 raq/c2q94r4p64 "$R"
-  run raq4k-25 raq/c2g128q94r4p128 "$R"
-  finish
-  touch "$W/done"
-  exit 0
+  # raq-alloc (RAQ-MLA's transforms, each layer's formats allocated by held-out KL within the scheme's bits) and
+  # RAQ-MLA, both with the post-RoPE fit at 4,096-token windows, side by side at one scheme ($SCHEME7:
+  # c2q94r4p64, c2g128q94r4p128 or c4r4; WINDOWS7=without: token protection off) in one call: ~260 s for
+  # c2q94r4p64 on 2026-12-04. (Six such runs side by side did not finish their evaluations in 1,000 s.)
+  R="--rope-fit-seq-len 4096 --windows ${WINDOWS7:-with}"
+  run alloc raq-alloc/${SCHEME7:-c2q94r4p64} "$R"
+  run raq4k raq/${SCHEME7:-c2q94r4p64} "$R"
+  end_part
 fi
 if [ "$PART" = 4 ] && [ -z "${DETACHED:-}" ]; then
   # the runs outlive this call (a new process session): a second call on the warm machine, made at once,

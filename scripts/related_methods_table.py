@@ -4,8 +4,8 @@ window setting (sink 4 + recent 128, or none: token protection off).
 
 python scripts/related_methods_table.py --results docs/calibration-results.json docs/related-methods-runs/*.json \
     --out docs/related-methods-results.json --plot docs/related-methods-bpe.png
-python scripts/related_methods_table.py --windows 0+0 --results docs/related-methods-runs/nw-*.json \
-    --out docs/related-methods-nowindows.json
+python scripts/related_methods_table.py --windows 0+0 --results docs/calibration-results.json \
+    docs/related-methods-runs/nw-*.json --out docs/related-methods-nowindows.json
 """
 
 from __future__ import annotations
@@ -76,10 +76,15 @@ def main() -> None:
             if r["method"] in exclude:
                 continue
             method = r["method"].split("/")[0]
+            # RAQ-MLA's post-RoPE fit at the served context is a variant of the same method and scheme: its own row
+            fit = d.get("args", {}).get("rope_fit_seq_len")
+            fit = None if fit in (None, "None") else int(fit)
             layer_rows = d.get("layers", {}).get(r["method"])
             seconds = {k: v for k, v in d.get("calibration_seconds", {}).items() if k.split("@")[0] == r["method"]}
-            rows[r["method"]] = {
-                "method": method, "scheme": r["scheme"], "bpe": bpe(method, r["scheme"], layer_rows),
+            rows[r["method"] + ("" if fit is None else f"@rope-fit-{fit}")] = {
+                "method": method, "scheme": r["scheme"], "rope_fit_seq_len": fit,
+                "device": d.get("args", {}).get("device", "cuda"),
+                "bpe": bpe(method, r["scheme"], layer_rows),
                 "ppl": r["ppl"], "kl": r["kl"], "niah": r["niah"]["all"], "niah_examples": r["niah"]["examples"],
                 "window_nll": r["window_nll"], "tokens_per_window": r["tokens_per_window"],
                 "calibration_seconds": sum(seconds.values()) if seconds else None,
@@ -104,7 +109,9 @@ def main() -> None:
         cmp = "" if v is None else f"{v[0]:+.4f} [{v[1]:+.4f}, {v[2]:+.4f}]"
         best = "" if b is None else (f"{b['diff'][0]:+.4f} [{b['diff'][1]:+.4f}, {b['diff'][2]:+.4f}] vs "
                                      f"{b['method']} `{b['scheme']}`")  # fmt: skip
-        print(f"| {r['method']} | `{r['scheme']}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | "
+        name = r["method"] if r["rope_fit_seq_len"] is None else f"{r['method']} (RoPE fit {r['rope_fit_seq_len']})"
+        name += " (CPU run)" if r["device"] == "cpu" else ""
+        print(f"| {name} | `{r['scheme']}` | {r['bpe']:.2f} | {r['ppl']:.4f} | {r['kl']:.3e} | "
               f"{100 * r['niah']:.1f}% | {cmp} | {best} |")  # fmt: skip
     if args.plot is None:
         return
@@ -114,14 +121,18 @@ def main() -> None:
         for r in (r for r in out if r["method"] == method):
             b = budget(r["bpe"])
             if b not in best or r["ppl"] < best[b][1]:
-                best[b] = (r["bpe"], r["ppl"], r["kl"])
+                best[b] = (r["bpe"], r["ppl"], r["kl"], r["device"])
         pts = sorted(best.values())
-        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
-        ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=method)
+        for i, key in ((0, 1), (1, 2)):
+            (line,) = ax[i].plot([p[0] for p in pts], [p[key] for p in pts], "-", label=method)
+            for p in pts:  # a CPU run's point hollow: the title's device is the H200
+                face = "none" if p[3] == "cpu" else line.get_color()
+                ax[i].plot(p[0], p[key], "o", color=line.get_color(), markerfacecolor=face)
     ax[0].set(xlabel="bits per cached element (metadata included)", ylabel="perplexity (test split, 4K windows)")
     ax[1].set(xlabel="bits per cached element (metadata included)", ylabel="KL to the unquantised cache", yscale="log")
     ax[0].legend(fontsize=7)
-    fig.suptitle("Bundled model v2, float32, H200, sink 4 + recent 128: each method's best scheme per budget")
+    title = "Bundled model v2, float32, H200 (hollow: a CPU run), sink 4 + recent 128: each method's best scheme"
+    fig.suptitle(title + " per budget", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
 
