@@ -6,7 +6,7 @@
 # usage (on the device): bash scripts/v3_prototype_gpu.sh
 set -u
 export PYTHONPATH=src
-for f in tile_h16 stream_h16; do
+for f in tile_h16 stream_h16 stream_h16_cs; do
   echo "== ptxas $f"
   nvcc -gencode arch=compute_90a,code=sm_90a -cubin -O3 -std=c++17 --use_fast_math -Xptxas -v -o /tmp/$f.cubin \
     src/quantmla/kernels/hopper/$f.cu 2>&1 | grep -E "registers|spill|stack|Potential"
@@ -17,7 +17,7 @@ done
 python -m pytest -q -rA tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 |
   grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|^E  " | cut -c1-200 | head -60
 python benchmarks/experiments/v3_tile_h16.py --per-cta ${PER_CTA:-4096 8000 8192 16384}
-for k in ${NCU_KERNELS:-stream stream-v1 stream-v2}; do
+for k in ${NCU_KERNELS:-stream-v2 stream-v3}; do
   echo "== ncu $k"
   ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \

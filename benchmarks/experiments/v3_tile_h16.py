@@ -3,7 +3,9 @@ beside the bandwidth the cache allows: B x L tokens of an INT4 content latent (5
 through both wgmma products with folded scales. ``tile`` (``kernels/hopper/tile_h16.cu``) loads each step
 synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, with the scores written out
 (``stream+scores``) or not; ``stream-v1`` stores ``s o P`` by ``stmatrix`` and takes the magic number's 1024
-off on the tensor cores; ``stream-v2`` dequantises the operands in registers (no fold). The prototypes also
+off on the tensor cores; ``stream-v2`` dequantises the operands in registers (no fold); ``stream-v3``
+(``stream_h16_cs.cu``) splits the channels across the warps on ``mma.sync``, each code unpacked once and
+transposed in registers for the output. The prototypes also
 read P (32 B a token) and may write the scores (64 B a token),
 which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
 
@@ -60,6 +62,10 @@ def main() -> None:
         ),
         "stream-v2": (
             lambda per: ext.stream_h16_dq(words, scale_gm, minimum_gm, q, p_t, per, False, LBO, SBO, stream),
+            t * 16 * 2,
+        ),
+        "stream-v3": (
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, stream),
             t * 16 * 2,
         ),
     }

@@ -13,10 +13,12 @@ from quantmla.kernels.fragment import (
     byte_perm,
     dequantise_registers,
     fragment_coords,
+    movmatrix_trans,
     operand_tiles,
     output_operand,
     pack_fragments,
     scores_operand,
+    transposed_operand,
     unpack_fragments,
 )
 
@@ -99,6 +101,36 @@ def test_register_dequantisation_reads_the_right_scales():
     shuffled = scale.flip(0)  # the same values at the wrong tokens
     got = operand_tiles(dequantise_registers(scores_operand(words, 4, x16=True), shuffled, minimum, False))
     assert not torch.equal(got, want)
+
+
+def test_movmatrix_transposes_an_8x8_matrix():
+    # lane (g, t) holds row g, columns 2t (low half) and 2t + 1 (high half); after movmatrix.trans, of M^T
+    m = torch.arange(64).reshape(8, 8) + 0x100
+    lane = torch.arange(32)
+    g, t = lane // 4, lane % 4
+    regs = m[g, 2 * t] | (m[g, 2 * t + 1] << 16)
+    out = movmatrix_trans(regs)
+    assert torch.equal(out & 0xFFFF, m.T[g, 2 * t]) and torch.equal(out >> 16, m.T[g, 2 * t + 1])
+
+
+def test_transposed_in_registers_is_the_output_operand():
+    # stream_h16_cs_kernel dequantises the scores operand once and transposes it in registers for the output:
+    # four movmatrix of registers 0, 2, 1, 3 give, bit for bit, the dequantised output operand that variant 2
+    # builds from the packed words a second time (so the same fp16 values as fp16(u s + m) transposed); in the
+    # registers' own order (0, 1, 2, 3) the blocks of rows 8-15 and columns 0-7 would be swapped
+    gen = torch.Generator().manual_seed(9)
+    tokens, dim = 32, 512
+    codes = torch.randint(0, 16, (tokens, dim), generator=gen)
+    scale = (torch.rand(tokens, dim // 64, generator=gen) * 0.2 + 2.0**-10).half()
+    minimum = (torch.randn(tokens, dim // 64, generator=gen) * 2).half()
+    words = pack_fragments(codes, 4)
+    scores_regs = dequantise_registers(scores_operand(words, 4, x16=True), scale, minimum, False)
+    want = dequantise_registers(output_operand(words, 4, x16=True), scale, minimum, True)
+    got = transposed_operand(scores_regs)
+    assert torch.equal(got, want)
+    assert torch.equal(operand_tiles(got), operand_tiles(scores_regs).transpose(-1, -2))
+    in_order = torch.stack([movmatrix_trans(scores_regs[..., r]) for r in range(4)], -1)
+    assert not torch.equal(in_order, want)
 
 
 def test_output_operand_needs_the_half_select():

@@ -93,19 +93,25 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("per_cta", [64, 256])
-def test_h16_prototype_dequantised_in_registers_against_float64(per_cta):
-    # variant 2 rounds x = u s + m to fp16 once (HFMA2) and multiplies it exactly in fp32: elementwise, the error
-    # is at most fp16's unit roundoff 2^-11 of sum |x| |q| (scores) and of P |x| (output), doubled for the fp32
-    # accumulation, plus fp16's subnormal spacing; a missing 1/16 on tokens 8-15 or a lost minimum is far outside
+@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3"])
+@pytest.mark.parametrize("per_cta", [32, 64, 96, 256])
+def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta):
+    # variants 2 and 3 round x = u s + m to fp16 once (HFMA2) and multiply it exactly in fp32: elementwise, the
+    # error is at most fp16's unit roundoff 2^-11 of sum |x| |q| (scores) and of P |x| (output), doubled for the
+    # fp32 accumulation, plus fp16's subnormal spacing; a missing 1/16 on tokens 8-15, a lost minimum or a wrong
+    # transpose (variant 3) is far outside. Variant 3 steps 32 tokens: 96 tokens a CTA leave a last CTA of 64
+    # (256 tokens), 256 wrap its ring of three stages
     from quantmla.kernels.folded import dequantised
-    from quantmla.kernels.hopper.tile import pack_h16, stream_h16_dq
+    from quantmla.kernels.hopper.tile import pack_h16, stream_h16_cs, stream_h16_dq
 
+    if kernel == "stream-v2" and per_cta % 64:
+        pytest.skip("variant 2 steps 64 tokens")
+    run = stream_h16_dq if kernel == "stream-v2" else stream_h16_cs
     codes, scale, minimum, q, p = _h16_inputs(seed=11)
     dev = torch.device("cuda")
     args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.T.contiguous().to(dev)
-    scores, out = stream_h16_dq(*args, per_cta)
-    no_scores, same_out = stream_h16_dq(*args, per_cta, write_scores=False)
+    scores, out = run(*args, per_cta)
+    no_scores, same_out = run(*args, per_cta, write_scores=False)
     assert no_scores.shape == (0, 16) and torch.equal(same_out, out)
     x = dequantised(codes, scale, minimum, 64)
     s_ref, o_ref = x @ q.double().T, p.double() @ x

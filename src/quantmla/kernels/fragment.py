@@ -156,6 +156,30 @@ def operand_tiles(regs: torch.Tensor, dtype: torch.dtype = torch.float16) -> tor
     return tiles
 
 
+#: the transposed tile's register ``r`` is the transpose of the tile's register ``TRANSPOSED_FROM[r]`` (its 8 x 8
+#: blocks: rows 0-7 / 8-15 and columns 0-7 / 8-15 swap roles)
+TRANSPOSED_FROM = (0, 2, 1, 3)
+
+
+def movmatrix_trans(regs: torch.Tensor) -> torch.Tensor:
+    """PTX ``movmatrix.sync.aligned.m8n8.trans.b16`` on ``[..., 32]`` registers: lane ``(g, t)`` holds row ``g``,
+    columns ``2t, 2t + 1`` of an 8 x 8 b16 matrix (the low half first), afterwards those of its transpose:
+    elements ``(2t, g)`` and ``(2t + 1, g)``, half ``g % 2`` of lanes ``4 (2t) + g // 2`` and
+    ``4 (2t + 1) + g // 2``."""
+    lane = torch.arange(LANES)
+    g, t = lane // 4, lane % 4
+    half = 16 * (g % 2)
+    lo = (regs[..., 4 * (2 * t) + g // 2] >> half) & 0xFFFF
+    hi = (regs[..., 4 * (2 * t + 1) + g // 2] >> half) & 0xFFFF
+    return lo | (hi << 16)
+
+
+def transposed_operand(regs: torch.Tensor) -> torch.Tensor:
+    """The A operand of each tile's transpose ``[..., 32, 4]`` made in registers from the tile's own (four
+    ``movmatrix``, ``stream_h16_cs.cu``): register ``r`` from register :data:`TRANSPOSED_FROM` ``[r]``."""
+    return torch.stack([movmatrix_trans(regs[..., TRANSPOSED_FROM[r]]) for r in range(4)], -1)
+
+
 def group_major(x: torch.Tensor) -> torch.Tensor:
     """Per-token scales or minima ``[T, G]`` as ``[T / 16, G, 16]``: group-major within each 16-token tile (the
     layout the register-dequantising Hopper prototype reads token pairs from)."""

@@ -14,6 +14,9 @@ extern "C" int quantmla_stream_h16_dq(const uint32_t* words, const void* scale_g
                                       const void* q, const void* p, float* scores, float* partial, int tokens,
                                       int per_cta, int ctas, int write_scores, unsigned lbo, unsigned sbo,
                                       void* stream);
+extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
+                                      const void* q, const void* p, float* scores, float* partial, int tokens,
+                                      int per_cta, int ctas, int write_scores, void* stream);
 
 // `stream`: the caller's current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so the
 // binding needs no CUDA headers
@@ -116,9 +119,33 @@ std::vector<torch::Tensor> stream_h16_dq(torch::Tensor words, torch::Tensor scal
   return {scores, partial};
 }
 
+// variant 3 (the channels split across the warps, mma.sync): inputs and outputs as stream_h16_dq's, tokens and
+// per_cta multiples of 32
+std::vector<torch::Tensor> stream_h16_cs(torch::Tensor words, torch::Tensor scale_gm, torch::Tensor minimum_gm,
+                                         torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
+                                         int64_t stream) {
+  const int64_t tokens = p.size(0);
+  check_inputs(words, tokens, {scale_gm, minimum_gm, q, p});
+  TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
+              "scale and minimum must be group-major [tokens / 16, 8, 16]");
+  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
+  const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
+  auto f32 = words.options().dtype(torch::kFloat32);
+  auto scores = torch::empty({write_scores ? tokens : 0, 16}, f32);
+  auto partial = torch::empty({ctas, 16, 512}, f32);
+  const int rc = quantmla_stream_h16_cs(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
+                                        scale_gm.data_ptr(), minimum_gm.data_ptr(), q.data_ptr(), p.data_ptr(),
+                                        scores.data_ptr<float>(), partial.data_ptr<float>(), static_cast<int>(tokens),
+                                        static_cast<int>(per_cta), ctas, write_scores ? 1 : 0,
+                                        reinterpret_cast<void*>(stream));
+  TORCH_CHECK(rc == 0, "stream_h16_cs launch failed (", rc, "; -2: tokens and per_cta must be multiples of 32)");
+  return {scores, partial};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fragment_probe", &fragment_probe);
   m.def("tile_h16", &tile_h16);
   m.def("stream_h16", &stream_h16);
   m.def("stream_h16_dq", &stream_h16_dq);
+  m.def("stream_h16_cs", &stream_h16_cs);
 }

@@ -16,7 +16,7 @@ import torch
 logger = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent
 #: extension name -> its CUDA sources (the torch binding ``binding.cpp`` is built with each)
-EXTENSIONS = {"v3": ("fragment_probe.cu", "tile_h16.cu", "stream_h16.cu")}
+EXTENSIONS = {"v3": ("fragment_probe.cu", "tile_h16.cu", "stream_h16.cu", "stream_h16_cs.cu")}
 CUDA_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--use_fast_math")
 
 

@@ -2,6 +2,7 @@
 // kernels: a 16 x 16 tile of codes is 32 words in lane order, code (r, e) of tile j at bit 16 e + bits (4 j + r).
 #pragma once
 #include <cstdint>
+#include <cuda_fp16.h>
 
 namespace quantmla {
 
@@ -42,6 +43,14 @@ __device__ __forceinline__ void operand4_x16(uint32_t (&a)[4], uint32_t c, uint3
   a[OUTPUT ? 2 : 1] = lo16;
   a[OUTPUT ? 1 : 2] = hi;
   a[3] = hi16;
+}
+
+// a register of two fp16 1024 + u (the magic pair) dequantised: x = u s + m, the magic off exactly (HSUB2), then
+// one rounding (HFMA2), the Triton kernels' precision
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t u, __half2 s, __half2 m) {
+  const __half2 code = __hsub2(*reinterpret_cast<const __half2*>(&u), __half2half2(__ushort_as_half(0x6400)));
+  const __half2 x = __hfma2(code, s, m);
+  return *reinterpret_cast<const uint32_t*>(&x);
 }
 
 }  // namespace quantmla

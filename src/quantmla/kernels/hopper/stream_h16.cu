@@ -256,11 +256,6 @@ __global__ void __launch_bounds__(128, 2)
 // and step), no rank-1 term. Scales and minima come group-major per 16-token tile, [T/16][8][16] fp16 (the
 // bytes of a step are the same as token-major, so the stages and copies are shared), so the output operand's
 // token pairs read their scale and minimum pairs in one load each.
-__device__ __forceinline__ uint32_t dequant_pair(uint32_t u, __half2 s, __half2 m) {
-  const __half2 code = __hsub2(*reinterpret_cast<const __half2*>(&u), __half2half2(__ushort_as_half(0x6400)));
-  const __half2 x = __hfma2(code, s, m);
-  return *reinterpret_cast<const uint32_t*>(&x);
-}
 
 __global__ void __launch_bounds__(128, 2)
     stream_h16_dq_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,

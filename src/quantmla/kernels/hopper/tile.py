@@ -2,7 +2,8 @@
 content latent (512 channels, groups of 64) in the fragment-ordered layout, with the scales folded out of both
 wgmma products. ``P`` is given (no softmax): the prototypes measure the products. ``tile_h16.cu`` loads each
 step synchronously; ``stream_h16.cu`` copies the steps ahead with cp.async, keeps two groups' products in flight
-and builds ``s o P`` from registers in the scores' layout."""
+and builds ``s o P`` from registers in the scores' layout; ``stream_h16_cs.cu`` splits the channels across the
+warps and unpacks each code once."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def stream_h16_dq(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     stream = torch.cuda.current_stream(words.device).cuda_stream
     scores, partial = extension("v3").stream_h16_dq(words, group_major(scale), group_major(minimum), q, p_t, per_cta,
                                                     write_scores, lbo, sbo, stream)  # fmt: skip
+    return scores, partial.sum(0)
+
+
+def stream_h16_cs(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
+                  per_cta: int = 1024, write_scores: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """As :func:`stream_h16_dq`, variant 3: the channels split across the warps (``mma.sync``), each code unpacked
+    and dequantised once and transposed in registers (``movmatrix``) for the output; ``per_cta`` a multiple of
+    32."""
+    stream = torch.cuda.current_stream(words.device).cuda_stream
+    scores, partial = extension("v3").stream_h16_cs(words, group_major(scale), group_major(minimum), q, p_t, per_cta,
+                                                    write_scores, stream)  # fmt: skip
     return scores, partial.sum(0)
 
 

@@ -1,0 +1,203 @@
+// Decode kernel v3, the h = 16 inner loop, variant 3: the channels split across the warps, each code unpacked
+// and dequantised once (issue 19).
+//
+// Why: with wgmma and the A operand in registers, the scores (tokens on M) give warp w the step's tokens
+// 16w..16w+15 for every channel, and the output (channels on M, tokens on K) needs warp w's channel rows for
+// *every* token of a K-step: the other warps' tokens. So variants 0-2 unpack and dequantise each code twice, once
+// per product layout (the packed words of other warps read from shared memory), and that unpacking is most of
+// their ~1,550 instructions a warp and 64-token step (Nsight Compute, docs/kernel-v3.md).
+//
+// Here each warp owns 128 channels (8 channel tiles, 2 groups) for all tokens, on the warp-level tensor cores
+// (mma.sync m16n8k16):
+//   - scores: S[tokens, heads] partial over the warp's channels = X Q^T, A = the dequantised tile (tokens on M,
+//     the one-shift operand and one HFMA2 a register, as variant 2), B = Q^T fragments held in registers for the
+//     whole kernel; the four warps' partial scores are summed through shared memory (2 KB a warp and step), where
+//     the real kernel's softmax goes, then P is published (a second barrier, kept here to pay its cost);
+//   - output: O^T[channels, heads] += X^T P, A = the same dequantised tile transposed in registers (four
+//     movmatrix.trans: the transposed tile's registers 0-3 are the transposes of registers 0, 2, 1, 3), B = P's
+//     fragments by one ldmatrix.x4.trans a 16-token block from shared memory.
+// The tiles of a step are kept (transposed) in registers between the products, as the real kernel must keep them
+// until P exists: 32 tokens a step (64 registers of tiles). Copies by cp.async, STAGES - 1 steps ahead, of the
+// step's codes, group-major scales and minima ([T/16][8][16] fp16, variant 2's layout) and P.
+// P is an input (token-major [T][16], no softmax) and the scores are written out when asked, as in variants 0-2.
+#include <cstdint>
+#include <cuda_fp16.h>
+
+#include "fragment.cuh"
+#include "sm90.cuh"
+
+namespace quantmla {
+namespace h16c {
+
+constexpr int HEADS = 16, DIM = 512, GROUPS = 8, TILES = 32, STEP = 32, BLOCKS = STEP / 16, STAGES = 3;
+constexpr int WARP_TILES = TILES / 4;  // a warp's channel tiles: 128 channels, groups 2w and 2w + 1
+constexpr uint32_t MAGIC = 0x64006400u;
+// one stage: codes [2 blocks][32 tiles][32 lanes] words, scales and minima [2 blocks][8 groups][16 tokens] fp16,
+// P [32 tokens][16 heads] fp16
+constexpr int CODE_BYTES = STEP * DIM / 2, META_BYTES = STEP * GROUPS * 2, P_BYTES = STEP * HEADS * 2;
+constexpr int STAGE_BYTES = CODE_BYTES + 2 * META_BYTES + P_BYTES;  // 10,240
+constexpr int RED_BYTES = 4 * STEP * HEADS * 4;                     // the warps' partial scores, fp32
+constexpr int SMEM_BYTES = RED_BYTES + STAGES * STAGE_BYTES;        // 38,912
+
+// copy step tokens t0 .. t0 + 31 into its stage (every thread commits one group whether or not it copied)
+__device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* words, const half* scale_gm,
+                                          const half* minimum_gm, const half* p, int t0, int tid) {
+  const unsigned char* code_src = reinterpret_cast<const unsigned char*>(words) + size_t(t0) * (DIM / 2);
+#pragma unroll
+  for (int k = 0; k < CODE_BYTES / 16 / 128; ++k) {
+    const int c = tid + 128 * k;
+    cp_async16(stage + 16 * c, code_src + 16 * c);
+  }
+  // 32 chunks of scales, 32 of minima, 64 of P: one a thread
+  const int c = tid;
+  const unsigned char* src =
+      c < 32 ? reinterpret_cast<const unsigned char*>(scale_gm + size_t(t0) * GROUPS) + 16 * c
+      : c < 64 ? reinterpret_cast<const unsigned char*>(minimum_gm + size_t(t0) * GROUPS) + 16 * (c - 32)
+               : reinterpret_cast<const unsigned char*>(p + size_t(t0) * HEADS) + 16 * (c - 64);
+  cp_async16(stage + CODE_BYTES + 16 * c, src);
+}
+
+// words [T/16][32 tiles][32 lanes]; scale_gm, minimum_gm [T/16][8][16] fp16; q [16][512] fp16; p [T][16] fp16;
+// scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32
+__global__ void __launch_bounds__(128, 2)
+    stream_h16_cs_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
+                         const half* __restrict__ minimum_gm, const half* __restrict__ q, const half* __restrict__ p,
+                         float* __restrict__ scores, float* __restrict__ partial, int tokens, int per_cta,
+                         int write_scores) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem);  // [4 warps][32 tokens][16 heads]
+  unsigned char* stages = smem + RED_BYTES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
+  const int steps = max(0, (t_end - t_begin) / STEP);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load_step(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    cp_async_commit();
+  }
+  // Q^T as the scores' B fragments of this warp's tiles, both head halves: lane (g, t) holds Q[h][2t, 2t + 1]
+  // and Q[h][2t + 8, 2t + 9] of the tile, head h = 8 half + g
+  uint32_t qf[WARP_TILES][2][2];
+#pragma unroll
+  for (int c = 0; c < WARP_TILES; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const half* row = q + (8 * h + g) * DIM + 16 * (WARP_TILES * warp + c) + 2 * t;
+      qf[c][h][0] = *reinterpret_cast<const uint32_t*>(row);
+      qf[c][h][1] = *reinterpret_cast<const uint32_t*>(row + 8);
+    }
+  float acc_o[WARP_TILES][2][4];  // O^T: rows channels g, g + 8 of tile c, columns heads 8 half + 2t, 2t + 1
+#pragma unroll
+  for (int c = 0; c < WARP_TILES; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
+  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step s landed; step s - 1 is done with its stage and with the partial scores
+    if (s + STAGES - 1 < steps)
+      load_step(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+                t_begin + (s + STAGES - 1) * STEP, tid);
+    cp_async_commit();
+    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
+    const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
+    const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
+    const unsigned char* sp = st + CODE_BYTES + 2 * META_BYTES;
+    // ---- scores over this warp's channels; the tiles kept transposed for the output ----
+    float acc_s[BLOCKS][2][4];
+    uint32_t xt[BLOCKS][WARP_TILES][4];
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
+#pragma unroll
+      for (int gl = 0; gl < 2; ++gl) {  // rows: tokens g (register 0, 2) and g + 8 (1, 3: 16 u, scale / 16)
+        const int row = (b * GROUPS + 2 * warp + gl) * 16 + g;
+        const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
+        const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int c = 4 * gl + c4;
+          uint32_t u[4], a[4];
+          operand4_x16<false>(u, sw[(b * TILES + WARP_TILES * warp + c) * 32 + lane], MAGIC);
+          a[0] = dequant_pair(u[0], s_a, m_a);
+          a[1] = dequant_pair(u[1], s_b, m_b);
+          a[2] = dequant_pair(u[2], s_a, m_a);
+          a[3] = dequant_pair(u[3], s_b, m_b);
+          mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
+          mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
+          xt[b][c][0] = movmatrix_trans(a[0]);  // channels 0-7 x tokens 0-7
+          xt[b][c][1] = movmatrix_trans(a[2]);  // channels 8-15 x tokens 0-7
+          xt[b][c][2] = movmatrix_trans(a[1]);  // channels 0-7 x tokens 8-15
+          xt[b][c][3] = movmatrix_trans(a[3]);
+        }
+      }
+    }
+    float* rw = red + warp * STEP * HEADS;
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<float2*>(rw + (16 * b + g) * HEADS + 8 * h + 2 * t) = make_float2(acc_s[b][h][0], acc_s[b][h][1]);
+        *reinterpret_cast<float2*>(rw + (16 * b + g + 8) * HEADS + 8 * h + 2 * t) =
+            make_float2(acc_s[b][h][2], acc_s[b][h][3]);
+      }
+    __syncthreads();
+    {  // the step's scores, four (token, head) a thread summed over the warps in order (the softmax's place)
+      const int i = 4 * tid;
+      float4 v = *reinterpret_cast<const float4*>(red + i);
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
+        v.x += o.x;
+        v.y += o.y;
+        v.z += o.z;
+        v.w += o.w;
+      }
+      if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t_begin + s * STEP) * HEADS + i) = v;
+    }
+    __syncthreads();  // the real kernel publishes P here
+    // ---- output: O^T += X^T P over the step's two 16-token blocks ----
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+      uint32_t pb[4];  // B fragments: heads 0-7 (registers 0, 1: tokens 0-7, 8-15), heads 8-15 (2, 3)
+      const int j = lane >> 3, r = lane & 7;
+      ldmatrix_x4_trans(pb, sp + (16 * b + 8 * (j & 1) + r) * (HEADS * 2) + (j >> 1) * 16);
+#pragma unroll
+      for (int c = 0; c < WARP_TILES; ++c) {
+        mma_m16n8k16(acc_o[c][0], xt[b][c], pb[0], pb[1]);
+        mma_m16n8k16(acc_o[c][1], xt[b][c], pb[2], pb[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int c = 0; c < WARP_TILES; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ch = 16 * (WARP_TILES * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
+        out[head * DIM + ch] = acc_o[c][h][i];
+      }
+}
+
+}  // namespace h16c
+}  // namespace quantmla
+
+extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
+                                      const void* q, const void* p, float* scores, float* partial, int tokens,
+                                      int per_cta, int ctas, int write_scores, void* stream) {
+  using namespace quantmla::h16c;
+  if (tokens % STEP || per_cta % STEP) return -2;
+  stream_h16_cs_kernel<<<ctas, 128, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
+      words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm), static_cast<const half*>(q),
+      static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores);
+  return static_cast<int>(cudaGetLastError());
+}
