@@ -9,6 +9,10 @@ tokens, QuantMLA's layer stage 50 steps and model stage 30, evaluation on `quant
         --rope-fit-seq-len 4096
     python benchmarks/experiments/combined_cpu.py --scheme c2q94r4p64 --methods rtn,raq,raq-alloc \
         --rope-fit-seq-len 4096
+    python benchmarks/experiments/combined_cpu.py --scheme c4r4 --methods rtn,smoothquant,raq-alloc \
+        --rope-fit-seq-len 4096
+    python benchmarks/experiments/combined_cpu.py --scheme c2q94r4p64 --methods raq,raq-alloc \
+        --rope-fit-seq-len 4096 --no-windows
 """
 
 from __future__ import annotations
@@ -35,20 +39,22 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,raq,quantmla,quantmla-raq")
     ap.add_argument("--model-seq-len", type=int, default=None, help="calibrate's --model-seq-len (e.g. 4096)")
     ap.add_argument("--rope-fit-seq-len", type=int, default=None, help="calibrate's --rope-fit-seq-len (e.g. 4096)")
+    ap.add_argument("--no-windows", action="store_true", help="token protection off: no sink, no recent window")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     base, tok = quantmla.load(dtype=torch.float32)
     quantmla.enable_latent_attention(base)
     calib, test = builtin_text("validation"), builtin_text("test")
+    windows = {"sink": 0, "recent": 0} if args.no_windows else {"sink": 4, "recent": 128}
     rows = {}
     for method in args.methods.split(","):
         t0 = time.perf_counter()
         model, rep = calibrate_model(copy.deepcopy(base), tok, calib, scheme=args.scheme, method=method,
                                      model_seq_len=args.model_seq_len, rope_fit_seq_len=args.rope_fit_seq_len,
-                                     **RECIPE)  # fmt: skip
+                                     **windows, **RECIPE)  # fmt: skip
         secs = time.perf_counter() - t0
         cfg = PerplexityConfig(scheme=args.scheme if rep.codec is None else rep.codec, seq_len=4096, num_seqs=6,
-                               spread=True, kl=True, per_window=True, batch_size=2)  # fmt: skip
+                               spread=True, kl=True, per_window=True, batch_size=2, **windows)  # fmt: skip
         r = perplexity(model, tok, test, cfg, progress=False)
         rows[method] = {"ppl": r.ppl, "kl": r.kl, "bpe": r.bits_per_element, "calibration_s": secs,
                         "window_nll": r.window_nll, "allocation": rep.allocation}  # fmt: skip
