@@ -58,7 +58,8 @@ if [ "$PART" = 7 ]; then
   # raq-alloc (RAQ-MLA's transforms, each layer's formats allocated by held-out KL within the scheme's bits) and
   # RAQ-MLA, both with the post-RoPE fit at 4,096-token windows, side by side at one scheme ($SCHEME7:
   # c2q94r4p64, c2g128q94r4p128 or c4r4; WINDOWS7=without: token protection off) in one call: ~260 s for
-  # c2q94r4p64 on 2026-12-04. (Six such runs side by side did not finish their evaluations in 1,000 s.)
+  # c2q94r4p64 on 2026-12-04. (Six such runs side by side, detached over two calls, lost their results twice: the
+  # device time ran out before their evaluations ended, then the machine was released between the calls.)
   R="--rope-fit-seq-len 4096 --windows ${WINDOWS7:-with}"
   run alloc raq-alloc/${SCHEME7:-c2q94r4p64} "$R"
   run raq4k raq/${SCHEME7:-c2q94r4p64} "$R"
