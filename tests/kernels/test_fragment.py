@@ -27,6 +27,15 @@ def _codes(bits: int, tokens: int = 48, dim: int = 128, seed: int = 0) -> torch.
     return torch.randint(0, 2**bits, (tokens, dim), generator=torch.Generator().manual_seed(seed))
 
 
+def _int4_groups(tokens: int, seed: int, dim: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT4 codes ``[T, D]`` with fp16 scales and minima per group of 64 channels ``[T, D / 64]``."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (tokens, dim), generator=gen)
+    scale = (torch.rand(tokens, dim // 64, generator=gen) * 0.2 + 2.0**-10).half()
+    minimum = (torch.randn(tokens, dim // 64, generator=gen) * 2).half()
+    return codes, scale, minimum
+
+
 def _tiles(x: torch.Tensor) -> torch.Tensor:
     """``[T, D]`` as ``[T / 16, D / 16, 16, 16]`` tiles (tokens on the rows)."""
     t, d = x.shape
@@ -86,11 +95,7 @@ def test_register_dequantisation_reads_the_right_scales():
     # stream_h16_dq_kernel's arithmetic and indexing, lane by lane: the one-shift registers dequantised with the
     # scale and minimum pairs read from the group-major copy (scale / 16 on tokens 8-15) give fp16(u s + m) of
     # every element, in both operands; a wrong lookup (or the 1/16 on the wrong tokens) changes elements
-    gen = torch.Generator().manual_seed(4)
-    tokens, dim = 64, 512
-    codes = torch.randint(0, 16, (tokens, dim), generator=gen)
-    scale = (torch.rand(tokens, dim // 64, generator=gen) * 0.2 + 2.0**-10).half()
-    minimum = (torch.randn(tokens, dim // 64, generator=gen) * 2).half()
+    codes, scale, minimum = _int4_groups(tokens=64, seed=4)
     want = codes.double() * scale.double().repeat_interleave(64, 1) + minimum.double().repeat_interleave(64, 1)
     want = _tiles(want.half().double())
     words = pack_fragments(codes, 4)
@@ -118,11 +123,7 @@ def test_transposed_in_registers_is_the_output_operand():
     # four movmatrix of registers 0, 2, 1, 3 give, bit for bit, the dequantised output operand that variant 2
     # builds from the packed words a second time (so the same fp16 values as fp16(u s + m) transposed); in the
     # registers' own order (0, 1, 2, 3) the blocks of rows 8-15 and columns 0-7 would be swapped
-    gen = torch.Generator().manual_seed(9)
-    tokens, dim = 32, 512
-    codes = torch.randint(0, 16, (tokens, dim), generator=gen)
-    scale = (torch.rand(tokens, dim // 64, generator=gen) * 0.2 + 2.0**-10).half()
-    minimum = (torch.randn(tokens, dim // 64, generator=gen) * 2).half()
+    codes, scale, minimum = _int4_groups(tokens=32, seed=9)
     words = pack_fragments(codes, 4)
     scores_regs = dequantise_registers(scores_operand(words, 4, x16=True), scale, minimum, False)
     want = dequantise_registers(output_operand(words, 4, x16=True), scale, minimum, True)

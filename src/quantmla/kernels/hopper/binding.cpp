@@ -95,51 +95,51 @@ std::vector<torch::Tensor> stream_h16(torch::Tensor words, torch::Tensor scale, 
   return {scores, partial, rank1};
 }
 
-// variant 2 of the pipelined prototype, dequantised in registers: scale and minimum group-major per 16-token
-// tile [T/16, 8, 16] fp16, p [T, 16]; returns (scores [T or 0, 16], partial outputs [ctas, 16, 512]), fp32
+// the register-dequantising prototypes' inputs checked (scale and minimum group-major per 16-token tile
+// [T/16, 8, 16] fp16, q [16, 512], p [T, 16]) and their outputs allocated: (scores [T or 0, 16], partial outputs
+// [ctas, 16, 512]), fp32
+static std::vector<torch::Tensor> dq_outputs(const torch::Tensor& words, const torch::Tensor& scale_gm,
+                                             const torch::Tensor& minimum_gm, const torch::Tensor& q,
+                                             const torch::Tensor& p, int64_t per_cta, bool write_scores) {
+  const int64_t tokens = p.size(0);
+  check_inputs(words, tokens, {scale_gm, minimum_gm, q, p});
+  TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
+              "scale and minimum must be group-major [tokens / 16, 8, 16]");
+  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
+  const int64_t ctas = (tokens + per_cta - 1) / per_cta;
+  auto f32 = words.options().dtype(torch::kFloat32);
+  return {torch::empty({write_scores ? tokens : 0, 16}, f32), torch::empty({ctas, 16, 512}, f32)};
+}
+
+// variant 2 of the pipelined prototype, dequantised in registers; inputs and outputs as dq_outputs
 std::vector<torch::Tensor> stream_h16_dq(torch::Tensor words, torch::Tensor scale_gm, torch::Tensor minimum_gm,
                                          torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
                                          int64_t lbo, int64_t sbo, int64_t stream) {
-  const int64_t tokens = p.size(0);
-  check_inputs(words, tokens, {scale_gm, minimum_gm, q, p});
-  TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
-              "scale and minimum must be group-major [tokens / 16, 8, 16]");
-  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
-  const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
-  auto f32 = words.options().dtype(torch::kFloat32);
-  auto scores = torch::empty({write_scores ? tokens : 0, 16}, f32);
-  auto partial = torch::empty({ctas, 16, 512}, f32);
+  auto out = dq_outputs(words, scale_gm, minimum_gm, q, p, per_cta, write_scores);
   const int rc = quantmla_stream_h16_dq(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
                                         scale_gm.data_ptr(), minimum_gm.data_ptr(), q.data_ptr(), p.data_ptr(),
-                                        scores.data_ptr<float>(), partial.data_ptr<float>(), static_cast<int>(tokens),
-                                        static_cast<int>(per_cta), ctas, write_scores ? 1 : 0,
+                                        out[0].data_ptr<float>(), out[1].data_ptr<float>(),
+                                        static_cast<int>(p.size(0)), static_cast<int>(per_cta),
+                                        static_cast<int>(out[1].size(0)), write_scores ? 1 : 0,
                                         static_cast<unsigned>(lbo), static_cast<unsigned>(sbo),
                                         reinterpret_cast<void*>(stream));
   TORCH_CHECK(rc == 0, "stream_h16_dq launch failed (", rc, "; -2: tokens and per_cta must be multiples of 64)");
-  return {scores, partial};
+  return out;
 }
 
-// variant 3 (the channels split across the warps, mma.sync): inputs and outputs as stream_h16_dq's, tokens and
-// per_cta multiples of 32
+// variant 3 (the channels split across the warps, mma.sync): as stream_h16_dq, tokens and per_cta multiples of 32
 std::vector<torch::Tensor> stream_h16_cs(torch::Tensor words, torch::Tensor scale_gm, torch::Tensor minimum_gm,
                                          torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
                                          int64_t stream) {
-  const int64_t tokens = p.size(0);
-  check_inputs(words, tokens, {scale_gm, minimum_gm, q, p});
-  TORCH_CHECK(scale_gm.numel() == tokens * 8 && minimum_gm.numel() == tokens * 8 && scale_gm.size(-1) == 16,
-              "scale and minimum must be group-major [tokens / 16, 8, 16]");
-  TORCH_CHECK(q.size(0) == 16 && q.size(1) == 512 && p.size(1) == 16, "q [16, 512], p [T, 16]");
-  const int ctas = static_cast<int>((tokens + per_cta - 1) / per_cta);
-  auto f32 = words.options().dtype(torch::kFloat32);
-  auto scores = torch::empty({write_scores ? tokens : 0, 16}, f32);
-  auto partial = torch::empty({ctas, 16, 512}, f32);
+  auto out = dq_outputs(words, scale_gm, minimum_gm, q, p, per_cta, write_scores);
   const int rc = quantmla_stream_h16_cs(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
                                         scale_gm.data_ptr(), minimum_gm.data_ptr(), q.data_ptr(), p.data_ptr(),
-                                        scores.data_ptr<float>(), partial.data_ptr<float>(), static_cast<int>(tokens),
-                                        static_cast<int>(per_cta), ctas, write_scores ? 1 : 0,
+                                        out[0].data_ptr<float>(), out[1].data_ptr<float>(),
+                                        static_cast<int>(p.size(0)), static_cast<int>(per_cta),
+                                        static_cast<int>(out[1].size(0)), write_scores ? 1 : 0,
                                         reinterpret_cast<void*>(stream));
   TORCH_CHECK(rc == 0, "stream_h16_cs launch failed (", rc, "; -2: tokens and per_cta must be multiples of 32)");
-  return {scores, partial};
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
