@@ -7,11 +7,18 @@ with the default recipe (128 x 512 calibration tokens, 32 x 512 held out, 300 st
 ``--shape v2-lite``: one random MLA layer at DeepSeek-V2-Lite's attention dims (hidden 2048, 16 heads, latent
 512, RoPE 64, nope 128, v 128; a small dense MLP and vocabulary), random token ids: the cost depends on the
 shapes, not on the weights. QuantMLA's row is its layer stage (its model-level stage runs once for all layers).
+raq-alloc's and quantmla-raq's rows are the whole model's calibration divided by its layers (the allocation
+needs every layer's options; quantmla-raq's model stage runs once for all layers; it runs on a copy).
+quantmla-raq: QuantMLA's layer stage and model stage (150 steps), then RAQ-MLA's fits from both bases.
+raq-alloc: RAQ-MLA's fits at each format of a layer's menu plus the allocation's held-out KL of each option, one
+forward pass of the whole model per option over the held-out windows. Both model-level parts grow with the
+depth, so at ``--shape v2-lite`` (one layer) their figures are lower bounds for the 27-layer model.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -20,8 +27,8 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config
 
 import quantmla
 from quantmla.calibrate import layer_stage
-from quantmla.calibrate.api import CalibrationConfig, calibration_windows
-from quantmla.calibrate.related import fit_codec
+from quantmla.calibrate.api import CalibrationConfig, calibrate_model, calibration_windows
+from quantmla.calibrate.related import CODEC_METHODS, fit_codec
 from quantmla.models.adapter import get_adapter
 from quantmla.models.loading import builtin_text
 
@@ -33,6 +40,8 @@ METHODS = {  # method: the scheme it is timed at
     "raq": "c2g128q94r4p128",
     "rolaq": "c2r4",
     "blockgtq": "c2r4t",
+    "raq-alloc": "c2q94r4p64",
+    "quantmla-raq": "c2q94r4p64",
 }
 
 
@@ -71,7 +80,18 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if method in ("raq", "rolaq", "blockgtq"):
+        layers = 1
+        if method == "quantmla-raq":  # the whole calibration (layer and model stages, two RAQ-MLA fits a layer)
+            modules = list(adapter.attention_modules(model))
+            layers = len(modules)
+            calibrate_model(copy.deepcopy(model), tok, text, progress=False, **kw)
+        elif method == "raq-alloc":  # the allocation needs every layer's options: all layers, the time per layer
+            modules = list(adapter.attention_modules(model))
+            layers = len(modules)
+            cfg = CalibrationConfig(**kw)
+            train_w, val_w, _ = calibration_windows(tok, text, cfg)
+            fit_codec(model, adapter, modules, train_w, val_w, cfg, progress=False)
+        elif method in CODEC_METHODS:
             cfg = CalibrationConfig(**kw)
             train_w, val_w, _ = calibration_windows(tok, text, cfg)
             fit_codec(model, adapter, first, train_w, val_w, cfg, progress=False)
@@ -79,7 +99,7 @@ def main() -> None:
             layer_stage(model, tok, text, layers=[first[0][0]], progress=False, **kw)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        rows[method] = {"scheme": scheme, "seconds_per_layer": time.perf_counter() - t0}
+        rows[method] = {"scheme": scheme, "seconds_per_layer": (time.perf_counter() - t0) / layers, "layers": layers}
         print(f"| {method} | `{scheme}` | {rows[method]['seconds_per_layer']:.1f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

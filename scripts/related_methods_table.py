@@ -81,10 +81,14 @@ def main() -> None:
             fit = None if fit in (None, "None") else int(fit)
             layer_rows = d.get("layers", {}).get(r["method"])
             seconds = {k: v for k, v in d.get("calibration_seconds", {}).items() if k.split("@")[0] == r["method"]}
-            rows[r["method"] + ("" if fit is None else f"@rope-fit-{fit}")] = {
-                "method": method, "scheme": r["scheme"], "rope_fit_seq_len": fit,
-                "device": d.get("args", {}).get("device", "cuda"),
-                "bpe": bpe(method, r["scheme"], layer_rows),
+            key = r["method"] + ("" if fit is None else f"@rope-fit-{fit}")
+            device = d.get("args", {}).get("device", "cuda")
+            if key in rows and rows[key]["device"] != "cpu" and device == "cpu":
+                continue  # the same run on the H200 and on the CPU: the H200's row
+            alloc = d.get("allocations", {}).get(r["method"])  # raq-alloc: the bytes the allocation spent
+            rows[key] = {
+                "method": method, "scheme": r["scheme"], "rope_fit_seq_len": fit, "device": device,
+                "bpe": 8 * alloc["bytes_per_token"] / (D_C + D_R) if alloc else bpe(method, r["scheme"], layer_rows),
                 "ppl": r["ppl"], "kl": r["kl"], "niah": r["niah"]["all"], "niah_examples": r["niah"]["examples"],
                 "window_nll": r["window_nll"], "tokens_per_window": r["tokens_per_window"],
                 "calibration_seconds": sum(seconds.values()) if seconds else None,

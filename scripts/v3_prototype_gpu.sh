@@ -17,11 +17,12 @@ done
 python -m pytest -q -rA tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 |
   grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|^E  " | cut -c1-200 | head -60
 python benchmarks/experiments/v3_tile_h16.py --per-cta ${PER_CTA:-4096 8000 8192 16384}
-for k in ${NCU_KERNELS:-stream-v2 stream-v3}; do
+for k in ${NCU_KERNELS:-stream-v3 stream-v3w8}; do
   echo "== ncu $k"
   ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \
-    --section ComputeWorkloadAnalysis --section SchedulerStats --metrics smsp__inst_executed.sum \
+    --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --metrics "smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python benchmarks/experiments/v3_tile_h16.py --per-cta 8000 --kernels $k 2>&1 | grep -v "^==PROF==" |
-    grep -vE "^\s*-+\s*-+|^\s*$" | tail -70
+    grep -vE "^\s*-+\s*-+|^\s*$|^\s{10}|_ratio\s+0(\.0[0-4])?$" | tail -90  # the rules' wrapped text, stalls < 0.05
 done

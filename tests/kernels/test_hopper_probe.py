@@ -4,6 +4,8 @@ operands built by the kernel's instructions from the fragment-ordered words, tim
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ def test_unavailable_names_what_is_missing():
     assert MISSING in str(err.value)
     with pytest.raises(ValueError, match="valid: v3"):
         extension("nope")
+
+
+def test_variant_3_refuses_a_warp_count_it_has_no_kernel_for():
+    # checked before the extension is built, so on any machine
+    from quantmla.kernels.hopper.tile import stream_h16_cs
+
+    t = torch.zeros(32, 8)
+    with pytest.raises(ValueError, match=r"warps=6 .*valid: 4, 8"):
+        stream_h16_cs(torch.zeros(2, 32, 32, dtype=torch.int32), t, t, torch.zeros(16, 512), torch.zeros(32, 16),
+                      32, warps=6)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -93,7 +105,7 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3"])
+@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3", "stream-v3w8"])
 @pytest.mark.parametrize("per_cta", [32, 64, 96, 256])
 def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta):
     # variants 2 and 3 round x = u s + m to fp16 once (HFMA2) and multiply it exactly in fp32: elementwise, the
@@ -106,7 +118,8 @@ def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta)
 
     if kernel == "stream-v2" and per_cta % 64:
         pytest.skip("variant 2 steps 64 tokens")
-    run = stream_h16_dq if kernel == "stream-v2" else stream_h16_cs
+    runs = {"stream-v2": stream_h16_dq, "stream-v3": stream_h16_cs, "stream-v3w8": partial(stream_h16_cs, warps=8)}
+    run = runs[kernel]
     codes, scale, minimum, q, p = _h16_inputs(seed=11)
     dev = torch.device("cuda")
     args = pack_h16(codes).to(dev), scale.to(dev), minimum.to(dev), q.to(dev), p.T.contiguous().to(dev)

@@ -7,7 +7,8 @@
 // per product layout (the packed words of other warps read from shared memory), and that unpacking is most of
 // their ~1,550 instructions a warp and 64-token step (Nsight Compute, docs/kernel-v3.md).
 //
-// Here each warp owns 128 channels (8 channel tiles, 2 groups) for all tokens, on the warp-level tensor cores
+// Here each warp owns 128 channels (8 channel tiles, 2 groups; WARPS = 4, 248 registers, 2 CTAs an SM) or 64 (4
+// tiles, 1 group; WARPS = 8, 124 registers, 16 warps an SM) for all tokens, on the warp-level tensor cores
 // (mma.sync m16n8k16):
 //   - scores: S[tokens, heads] partial over the warp's channels = X Q^T, A = the dequantised tile (tokens on M,
 //     the one-shift operand and one HFMA2 a register, as variant 2), B = Q^T fragments held in registers for the
@@ -30,26 +31,30 @@ namespace quantmla {
 namespace h16c {
 
 constexpr int HEADS = 16, DIM = 512, GROUPS = 8, TILES = 32, STEP = 32, BLOCKS = STEP / 16, STAGES = 3;
-constexpr int WARP_TILES = TILES / 4;  // a warp's channel tiles: 128 channels, groups 2w and 2w + 1
 constexpr uint32_t MAGIC = 0x64006400u;
 // one stage: codes [2 blocks][32 tiles][32 lanes] words, scales and minima [2 blocks][8 groups][16 tokens] fp16,
 // P [32 tokens][16 heads] fp16
 constexpr int CODE_BYTES = STEP * DIM / 2, META_BYTES = STEP * GROUPS * 2, P_BYTES = STEP * HEADS * 2;
 constexpr int STAGE_BYTES = CODE_BYTES + 2 * META_BYTES + P_BYTES;  // 10,240
-constexpr int RED_BYTES = 4 * STEP * HEADS * 4;                     // the warps' partial scores, fp32
-constexpr int SMEM_BYTES = RED_BYTES + STAGES * STAGE_BYTES;        // 38,912
+// the warps' partial scores, fp32: 38,912 B of shared memory a CTA with 4 warps, 47,104 with 8
+template <int WARPS>
+constexpr int RED_BYTES = WARPS * STEP * HEADS * 4;
+template <int WARPS>
+constexpr int SMEM_BYTES = RED_BYTES<WARPS> + STAGES * STAGE_BYTES;
 
 // copy step tokens t0 .. t0 + 31 into its stage (every thread commits one group whether or not it copied)
+template <int THREADS>
 __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* words, const half* scale_gm,
                                           const half* minimum_gm, const half* p, int t0, int tid) {
   const unsigned char* code_src = reinterpret_cast<const unsigned char*>(words) + size_t(t0) * (DIM / 2);
 #pragma unroll
-  for (int k = 0; k < CODE_BYTES / 16 / 128; ++k) {
-    const int c = tid + 128 * k;
+  for (int k = 0; k < CODE_BYTES / 16 / THREADS; ++k) {
+    const int c = tid + THREADS * k;
     cp_async16(stage + 16 * c, code_src + 16 * c);
   }
-  // 32 chunks of scales, 32 of minima, 64 of P: one a thread
+  // 32 chunks of scales, 32 of minima, 64 of P: one a thread of the first 128
   const int c = tid;
+  if (c >= 128) return;
   const unsigned char* src =
       c < 32 ? reinterpret_cast<const unsigned char*>(scale_gm + size_t(t0) * GROUPS) + 16 * c
       : c < 64 ? reinterpret_cast<const unsigned char*>(minimum_gm + size_t(t0) * GROUPS) + 16 * (c - 32)
@@ -58,21 +63,24 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
 }
 
 // words [T/16][32 tiles][32 lanes]; scale_gm, minimum_gm [T/16][8][16] fp16; q [16][512] fp16; p [T][16] fp16;
-// scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32
-__global__ void __launch_bounds__(128, 2)
+// scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32. WARPS 4: each warp owns 128
+// channels (groups 2w, 2w + 1); WARPS 8: 64 (group w), half the registers a thread, twice the warps an SM.
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 2)
     stream_h16_cs_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
                          const half* __restrict__ minimum_gm, const half* __restrict__ q, const half* __restrict__ p,
                          float* __restrict__ scores, float* __restrict__ partial, int tokens, int per_cta,
                          int write_scores) {
   extern __shared__ __align__(128) unsigned char smem[];
-  float* red = reinterpret_cast<float*>(smem);  // [4 warps][32 tokens][16 heads]
-  unsigned char* stages = smem + RED_BYTES;
+  constexpr int THREADS = 32 * WARPS, WARP_TILES = TILES / WARPS, WARP_GROUPS = GROUPS / WARPS;
+  float* red = reinterpret_cast<float*>(smem);  // [WARPS][32 tokens][16 heads]
+  unsigned char* stages = smem + RED_BYTES<WARPS>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
   const int steps = max(0, (t_end - t_begin) / STEP);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load_step(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    if (s < steps) load_step<THREADS>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
     cp_async_commit();
   }
   // Q^T as the scores' B fragments of this warp's tiles, both head halves: lane (g, t) holds Q[h][2t, 2t + 1]
@@ -98,7 +106,7 @@ __global__ void __launch_bounds__(128, 2)
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // step s landed; step s - 1 is done with its stage and with the partial scores
     if (s + STAGES - 1 < steps)
-      load_step(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+      load_step<THREADS>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
                 t_begin + (s + STAGES - 1) * STEP, tid);
     cp_async_commit();
     const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
@@ -116,8 +124,8 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
 #pragma unroll
-      for (int gl = 0; gl < 2; ++gl) {  // rows: tokens g (register 0, 2) and g + 8 (1, 3: 16 u, scale / 16)
-        const int row = (b * GROUPS + 2 * warp + gl) * 16 + g;
+      for (int gl = 0; gl < WARP_GROUPS; ++gl) {  // rows: tokens g (registers 0, 2), g + 8 (1, 3: 16 u, scale / 16)
+        const int row = (b * GROUPS + WARP_GROUPS * warp + gl) * 16 + g;
         const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
         const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
 #pragma unroll
@@ -148,11 +156,11 @@ __global__ void __launch_bounds__(128, 2)
             make_float2(acc_s[b][h][2], acc_s[b][h][3]);
       }
     __syncthreads();
-    {  // the step's scores, four (token, head) a thread summed over the warps in order (the softmax's place)
+    if (tid < 128) {  // the step's scores, four (token, head) a thread summed over the warps in order (the softmax's place)
       const int i = 4 * tid;
       float4 v = *reinterpret_cast<const float4*>(red + i);
 #pragma unroll
-      for (int w = 1; w < 4; ++w) {
+      for (int w = 1; w < WARPS; ++w) {
         const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
         v.x += o.x;
         v.y += o.y;
@@ -191,13 +199,32 @@ __global__ void __launch_bounds__(128, 2)
 }  // namespace h16c
 }  // namespace quantmla
 
-extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
-                                      const void* q, const void* p, float* scores, float* partial, int tokens,
-                                      int per_cta, int ctas, int write_scores, void* stream) {
+namespace {
+template <int WARPS>
+int launch_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm, const void* q, const void* p,
+              float* scores, float* partial, int tokens, int per_cta, int ctas, int write_scores, void* stream) {
   using namespace quantmla::h16c;
-  if (tokens % STEP || per_cta % STEP) return -2;
-  stream_h16_cs_kernel<<<ctas, 128, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
+  auto kernel = stream_h16_cs_kernel<WARPS>;
+  if (SMEM_BYTES<WARPS> > 48 * 1024)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES<WARPS>);
+  kernel<<<ctas, 32 * WARPS, SMEM_BYTES<WARPS>, static_cast<cudaStream_t>(stream)>>>(
       words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm), static_cast<const half*>(q),
       static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores);
   return static_cast<int>(cudaGetLastError());
+}
+}  // namespace
+
+// warps 4 or 8 (-3 otherwise); -2: tokens or per_cta not a multiple of 32
+extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
+                                      const void* q, const void* p, float* scores, float* partial, int tokens,
+                                      int per_cta, int ctas, int write_scores, int warps, void* stream) {
+  using namespace quantmla::h16c;
+  if (tokens % STEP || per_cta % STEP) return -2;
+  if (warps == 4)
+    return launch_cs<4>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta, ctas, write_scores,
+                        stream);
+  if (warps == 8)
+    return launch_cs<8>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta, ctas, write_scores,
+                        stream);
+  return -3;
 }
