@@ -14,15 +14,15 @@ for f in tile_h16 stream_h16 stream_h16_cs; do
   cuobjdump -sass /tmp/$f.cubin | grep -oE '^\s+/\*[0-9a-f]{4,5}\*/\s+[A-Z][A-Z0-9._]*' | awk '{print $2}' |
     sed -E 's/\..*//' | sort | uniq -c | sort -rn | head -24 | paste -sd' '
 done
-python -m pytest -q -rA tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 |
-  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)|passed|failed|^E  " | cut -c1-200 | head -60
+python -m pytest -q -rfEs tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 | tail -25 | cut -c1-200
 python benchmarks/experiments/v3_tile_h16.py --per-cta ${PER_CTA:-4096 8000 8192 16384}
-for k in ${NCU_KERNELS:-stream-v3 stream-v3w8}; do
+for k in ${NCU_KERNELS:-stream-v3 stream-v4}; do
   echo "== ncu $k"
   ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \
     --section ComputeWorkloadAnalysis --section SchedulerStats \
     --metrics "smsp__inst_executed.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
     python benchmarks/experiments/v3_tile_h16.py --per-cta 8000 --kernels $k 2>&1 | grep -v "^==PROF==" |
-    grep -vE "^\s*-+\s*-+|^\s*$|^\s{10}|_ratio\s+0(\.0[0-4])?$" | tail -90  # the rules' wrapped text, stalls < 0.05
+    grep -E "Executed Ipc E|Issue Slots Busy|Memory Throughput|Max Bandwidth|highest-utilized|Eligible Warps|Registers Per|Block Limit|smsp__" |
+    grep -vE "_ratio\s+inst\s+0(\.0[0-4])?$" | cut -c1-140  # the headline counters; stalls >= 0.05 a cycle
 done

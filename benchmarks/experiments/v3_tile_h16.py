@@ -6,7 +6,8 @@ synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, 
 off on the tensor cores; ``stream-v2`` dequantises the operands in registers (no fold); ``stream-v3``
 (``stream_h16_cs.cu``) splits the channels across the warps on ``mma.sync``, each code unpacked once and
 transposed in registers for the output: 4 warps a CTA (128 channels a warp), ``stream-v3w8`` 8 (64 channels a warp,
-half the registers, twice the warps an SM). The prototypes also
+half the registers, twice the warps an SM); ``stream-v4`` is variant 3 with the output product on wgmma. The
+prototypes also
 read P (32 B a token) and may write the scores (64 B a token),
 which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
 
@@ -66,11 +67,15 @@ def main() -> None:
             t * 16 * 2,
         ),
         "stream-v3": (
-            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, stream),
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, False, stream),
             t * 16 * 2,
         ),
         "stream-v3w8": (
-            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 8, stream),
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 8, False, stream),
+            t * 16 * 2,
+        ),
+        "stream-v4": (
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, True, stream),
             t * 16 * 2,
         ),
     }

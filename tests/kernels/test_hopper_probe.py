@@ -30,9 +30,11 @@ def test_variant_3_refuses_a_warp_count_it_has_no_kernel_for():
     from quantmla.kernels.hopper.tile import stream_h16_cs
 
     t = torch.zeros(32, 8)
+    args = torch.zeros(2, 32, 32, dtype=torch.int32), t, t, torch.zeros(16, 512), torch.zeros(32, 16), 32
     with pytest.raises(ValueError, match=r"warps=6 .*valid: 4, 8"):
-        stream_h16_cs(torch.zeros(2, 32, 32, dtype=torch.int32), t, t, torch.zeros(16, 512), torch.zeros(32, 16),
-                      32, warps=6)  # fmt: skip
+        stream_h16_cs(*args, warps=6)
+    with pytest.raises(ValueError, match=r"warps=8 .*valid: 4"):
+        stream_h16_cs(*args, warps=8, wgmma_output=True)
 
 
 @pytest.mark.gpu
@@ -105,7 +107,7 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3", "stream-v3w8"])
+@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3", "stream-v3w8", "stream-v4"])
 @pytest.mark.parametrize("per_cta", [32, 64, 96, 256])
 def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta):
     # variants 2 and 3 round x = u s + m to fp16 once (HFMA2) and multiply it exactly in fp32: elementwise, the
@@ -118,7 +120,8 @@ def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta)
 
     if kernel == "stream-v2" and per_cta % 64:
         pytest.skip("variant 2 steps 64 tokens")
-    runs = {"stream-v2": stream_h16_dq, "stream-v3": stream_h16_cs, "stream-v3w8": partial(stream_h16_cs, warps=8)}
+    runs = {"stream-v2": stream_h16_dq, "stream-v3": stream_h16_cs, "stream-v3w8": partial(stream_h16_cs, warps=8),
+            "stream-v4": partial(stream_h16_cs, wgmma_output=True)}  # fmt: skip
     run = runs[kernel]
     codes, scale, minimum, q, p = _h16_inputs(seed=11)
     dev = torch.device("cuda")

@@ -196,6 +196,150 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
       }
 }
 
+// Variant 4: variant 3 with the output product on wgmma. Warp w owns channel tiles 8w .. 8w + 7 as in variant 3;
+// the c-th wgmma m64n16k16 of a block takes tile c of every warp as its 64 rows (M row 16w + r is channel
+// 16 (8w + c) + r), each warp's 16 rows in its registers: the transposed tile xt, whose fragment layout is
+// wgmma's A layout. (A first version took tiles 4j + w, one group a wgmma, and paid 8 groups' scale loads a warp
+// and block: +22% instructions.) B = P^T of a 16-token block in shared memory (no-swizzle core matrices,
+// written by one stmatrix.trans of warp b for block b, as variant 2 writes it). The 16 wgmma a step (2 blocks x 8
+// groups) run asynchronously; their registers (xt, acc_o) are waited for before the next step's scores write xt.
+// The scores are variant 3's (mma.sync, partial sums through shared memory).
+constexpr int PT_BYTES = BLOCKS * 512;  // P^T of a step: 2 K-tiles of 16 tokens x 16 heads fp16
+constexpr int SMEM_WG_BYTES = RED_BYTES<4> + PT_BYTES + STAGES * STAGE_BYTES;  // 39,936
+
+__global__ void __launch_bounds__(128, 2)
+    stream_h16_cs_wg_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
+                            const half* __restrict__ minimum_gm, const half* __restrict__ q,
+                            const half* __restrict__ p, float* __restrict__ scores, float* __restrict__ partial,
+                            int tokens, int per_cta, int write_scores) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int WT = TILES / 4;  // a warp's tiles: 8 warp + c
+  float* red = reinterpret_cast<float*>(smem);
+  unsigned char* pt_smem = smem + RED_BYTES<4>;
+  unsigned char* stages = pt_smem + PT_BYTES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
+  const int steps = max(0, (t_end - t_begin) / STEP);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load_step<128>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    cp_async_commit();
+  }
+  uint32_t qf[WT][2][2];
+#pragma unroll
+  for (int c = 0; c < WT; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const half* row = q + (8 * h + g) * DIM + 16 * (WT * warp + c) + 2 * t;
+      qf[c][h][0] = *reinterpret_cast<const uint32_t*>(row);
+      qf[c][h][1] = *reinterpret_cast<const uint32_t*>(row + 8);
+    }
+  // wgmma D of product c: rows 16 warp + g (+ 8), i.e. channels 16 (8 warp + c) + g (+ 8), columns heads 2t,
+  // 2t + 1 (+ 8); zeroed by the first step's first product (scale-d 0), not by ordinary instructions, which would
+  // make ptxas serialise the wgmma pipeline
+  float acc_o[WT][8];
+  if (steps == 0) {  // (every CTA has a step when tokens and per_cta are multiples of 32; kept for safety)
+    for (int i = tid; i < HEADS * DIM; i += 128) partial[size_t(blockIdx.x) * HEADS * DIM + i] = 0.f;
+    return;
+  }
+  const int stsm_off = ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
+  const uint32_t lbo = 256, sbo = 128;
+  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+  uint32_t xt[BLOCKS][WT][4];
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step s landed; step s - 1 is done with its stage and the partial scores
+    if (s + STAGES - 1 < steps)
+      load_step<128>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+                     t_begin + (s + STAGES - 1) * STEP, tid);
+    cp_async_commit();
+    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
+    const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
+    const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
+    const uint32_t* sp = reinterpret_cast<const uint32_t*>(st + CODE_BYTES + 2 * META_BYTES);
+    wgmma_wait<0>();  // step s - 1's output products are done with xt and with P^T
+    float acc_s[BLOCKS][2][4];
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
+#pragma unroll
+      for (int gl = 0; gl < 2; ++gl) {  // groups 2 warp + gl
+        const int row = (b * GROUPS + 2 * warp + gl) * 16 + g;
+        const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
+        const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          const int c = 4 * gl + c4;
+          uint32_t u[4], a[4];
+          operand4_x16<false>(u, sw[(b * TILES + WT * warp + c) * 32 + lane], MAGIC);
+          a[0] = dequant_pair(u[0], s_a, m_a);
+          a[1] = dequant_pair(u[1], s_b, m_b);
+          a[2] = dequant_pair(u[2], s_a, m_a);
+          a[3] = dequant_pair(u[3], s_b, m_b);
+          mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
+          mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
+          xt[b][c][0] = movmatrix_trans(a[0]);
+          xt[b][c][1] = movmatrix_trans(a[2]);
+          xt[b][c][2] = movmatrix_trans(a[1]);
+          xt[b][c][3] = movmatrix_trans(a[3]);
+        }
+      }
+    }
+    float* rw = red + warp * STEP * HEADS;
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<float2*>(rw + (16 * b + g) * HEADS + 8 * h + 2 * t) = make_float2(acc_s[b][h][0], acc_s[b][h][1]);
+        *reinterpret_cast<float2*>(rw + (16 * b + g + 8) * HEADS + 8 * h + 2 * t) =
+            make_float2(acc_s[b][h][2], acc_s[b][h][3]);
+      }
+    __syncthreads();
+    {  // the step's scores summed over the warps in order (the softmax's place)
+      const int i = 4 * tid;
+      float4 v = *reinterpret_cast<const float4*>(red + i);
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
+        v.x += o.x;
+        v.y += o.y;
+        v.z += o.z;
+        v.w += o.w;
+      }
+      if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t_begin + s * STEP) * HEADS + i) = v;
+    }
+    if (warp < BLOCKS) {  // P^T of block `warp` into its core matrices (the real kernel's softmax writes it here)
+      const int tl0 = 16 * warp + g, hp = t;  // head pair 2t, 2t + 1 (and + 8)
+      const uint32_t pr[4] = {sp[tl0 * 8 + hp], sp[(tl0 + 8) * 8 + hp], sp[tl0 * 8 + hp + 4],
+                              sp[(tl0 + 8) * 8 + hp + 4]};
+      stmatrix_x4_trans(pt_smem + warp * 512 + stsm_off, pr);
+    }
+    async_proxy_fence();
+    __syncthreads();  // P^T is published
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+      for (int c = 0; c < WT; ++c)
+        wgmma_m64n16k16(acc_o[c], xt[b][c], smem_desc(pt_smem + b * 512, lbo, sbo), s > 0 || b > 0);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int c = 0; c < WT; ++c)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int ch = 16 * (WT * warp + c) + g + 8 * ((i >> 1) & 1), head = 2 * t + (i & 1) + 8 * (i >> 2);
+      out[head * DIM + ch] = acc_o[c][i];
+    }
+}
+
 }  // namespace h16c
 }  // namespace quantmla
 
@@ -214,12 +358,20 @@ int launch_cs(const uint32_t* words, const void* scale_gm, const void* minimum_g
 }
 }  // namespace
 
-// warps 4 or 8 (-3 otherwise); -2: tokens or per_cta not a multiple of 32
+// warps 4 or 8 (-3 otherwise), wgmma_out (variant 4, 4 warps only); -2: tokens or per_cta not a multiple of 32
 extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
                                       const void* q, const void* p, float* scores, float* partial, int tokens,
-                                      int per_cta, int ctas, int write_scores, int warps, void* stream) {
+                                      int per_cta, int ctas, int write_scores, int warps, int wgmma_out,
+                                      void* stream) {
   using namespace quantmla::h16c;
   if (tokens % STEP || per_cta % STEP) return -2;
+  if (wgmma_out) {
+    if (warps != 4) return -3;
+    stream_h16_cs_wg_kernel<<<ctas, 128, SMEM_WG_BYTES, static_cast<cudaStream_t>(stream)>>>(
+        words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm),
+        static_cast<const half*>(q), static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores);
+    return static_cast<int>(cudaGetLastError());
+  }
   if (warps == 4)
     return launch_cs<4>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta, ctas, write_scores,
                         stream);

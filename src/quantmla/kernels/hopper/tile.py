@@ -54,16 +54,19 @@ def stream_h16_dq(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
 
 
 def stream_h16_cs(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
-                  per_cta: int = 1024, write_scores: bool = True,
-                  warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  per_cta: int = 1024, write_scores: bool = True, warps: int = 4,
+                  wgmma_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """As :func:`stream_h16_dq`, variant 3: the channels split across ``warps`` warps (4: 128 channels a warp, 8:
     64), on ``mma.sync``, each code unpacked and dequantised once and transposed in registers (``movmatrix``) for
-    the output; ``per_cta`` a multiple of 32."""
+    the output; ``per_cta`` a multiple of 32. ``wgmma_output`` (variant 4, 4 warps): the output product on wgmma,
+    its A operand the transposed tiles in registers (the c-th product takes every warp's c-th tile)."""
     if warps not in (4, 8):
         raise ValueError(f"warps={warps} is not supported; valid: 4, 8")
+    if wgmma_output and warps != 4:
+        raise ValueError(f"wgmma_output runs one warpgroup: warps={warps} is not supported with it; valid: 4")
     stream = torch.cuda.current_stream(words.device).cuda_stream
     scores, partial = extension("v3").stream_h16_cs(words, group_major(scale), group_major(minimum), q, p_t, per_cta,
-                                                    write_scores, warps, stream)  # fmt: skip
+                                                    write_scores, warps, wgmma_output, stream)  # fmt: skip
     return scores, partial.sum(0)
 
 
