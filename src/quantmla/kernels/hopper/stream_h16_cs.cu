@@ -62,6 +62,93 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
   cp_async16(stage + CODE_BYTES + 16 * c, src);
 }
 
+// Q^T as the scores' B fragments of this warp's tiles (8 warp + c with 4 warps), both head halves: lane (g, t)
+// holds Q[h][2t, 2t + 1] and Q[h][2t + 8, 2t + 9] of the tile, head h = 8 half + g
+template <int WARPS>
+__device__ __forceinline__ void load_queries(uint32_t (&qf)[TILES / WARPS][2][2], const half* q, int warp, int g,
+                                             int t) {
+#pragma unroll
+  for (int c = 0; c < TILES / WARPS; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const half* row = q + (8 * h + g) * DIM + 16 * (TILES / WARPS * warp + c) + 2 * t;
+      qf[c][h][0] = *reinterpret_cast<const uint32_t*>(row);
+      qf[c][h][1] = *reinterpret_cast<const uint32_t*>(row + 8);
+    }
+}
+
+// a step's partial scores over this warp's channels (acc_s), each code unpacked and dequantised once; the tiles
+// kept transposed for the output (xt)
+template <int WARPS>
+__device__ __forceinline__ void step_scores(float (&acc_s)[BLOCKS][2][4], uint32_t (&xt)[BLOCKS][TILES / WARPS][4],
+                                            const uint32_t (&qf)[TILES / WARPS][2][2], const uint32_t* sw,
+                                            const half* ssc, const half* smn, int warp, int lane) {
+  constexpr int WARP_TILES = TILES / WARPS, WARP_GROUPS = GROUPS / WARPS;
+  const int g = lane >> 2;
+  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+#pragma unroll
+  for (int b = 0; b < BLOCKS; ++b) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
+#pragma unroll
+    for (int gl = 0; gl < WARP_GROUPS; ++gl) {  // rows: tokens g (registers 0, 2), g + 8 (1, 3: 16 u, scale / 16)
+      const int row = (b * GROUPS + WARP_GROUPS * warp + gl) * 16 + g;
+      const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
+      const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const int c = 4 * gl + c4;
+        uint32_t u[4], a[4];
+        operand4_x16<false>(u, sw[(b * TILES + WARP_TILES * warp + c) * 32 + lane], MAGIC);
+        a[0] = dequant_pair(u[0], s_a, m_a);
+        a[1] = dequant_pair(u[1], s_b, m_b);
+        a[2] = dequant_pair(u[2], s_a, m_a);
+        a[3] = dequant_pair(u[3], s_b, m_b);
+        mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
+        mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
+        xt[b][c][0] = movmatrix_trans(a[0]);  // channels 0-7 x tokens 0-7
+        xt[b][c][1] = movmatrix_trans(a[2]);  // channels 8-15 x tokens 0-7
+        xt[b][c][2] = movmatrix_trans(a[1]);  // channels 0-7 x tokens 8-15
+        xt[b][c][3] = movmatrix_trans(a[3]);
+      }
+    }
+  }
+}
+
+// the warps' partial scores through shared memory (red [WARPS][32 tokens][16 heads]), one barrier, then summed
+// over the warps in order, four (token, head) a thread of the first 128 (the softmax's place), written to scores
+// from token t0 when asked
+template <int WARPS>
+__device__ __forceinline__ void reduce_scores(float* red, const float (&acc_s)[BLOCKS][2][4], float* scores, int t0,
+                                              int write_scores, int tid) {
+  const int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
+  float* rw = red + warp * STEP * HEADS;
+#pragma unroll
+  for (int b = 0; b < BLOCKS; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<float2*>(rw + (16 * b + g) * HEADS + 8 * h + 2 * t) = make_float2(acc_s[b][h][0], acc_s[b][h][1]);
+      *reinterpret_cast<float2*>(rw + (16 * b + g + 8) * HEADS + 8 * h + 2 * t) =
+          make_float2(acc_s[b][h][2], acc_s[b][h][3]);
+    }
+  __syncthreads();
+  if (tid < 128) {
+    const int i = 4 * tid;
+    float4 v = *reinterpret_cast<const float4*>(red + i);
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+      const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
+      v.x += o.x;
+      v.y += o.y;
+      v.z += o.z;
+      v.w += o.w;
+    }
+    if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t0) * HEADS + i) = v;
+  }
+}
+
 // words [T/16][32 tiles][32 lanes]; scale_gm, minimum_gm [T/16][8][16] fp16; q [16][512] fp16; p [T][16] fp16;
 // scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32. WARPS 4: each warp owns 128
 // channels (groups 2w, 2w + 1); WARPS 8: 64 (group w), half the registers a thread, twice the warps an SM.
@@ -72,7 +159,7 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
                          float* __restrict__ scores, float* __restrict__ partial, int tokens, int per_cta,
                          int write_scores) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int THREADS = 32 * WARPS, WARP_TILES = TILES / WARPS, WARP_GROUPS = GROUPS / WARPS;
+  constexpr int THREADS = 32 * WARPS, WARP_TILES = TILES / WARPS;
   float* red = reinterpret_cast<float*>(smem);  // [WARPS][32 tokens][16 heads]
   unsigned char* stages = smem + RED_BYTES<WARPS>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -83,17 +170,8 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     if (s < steps) load_step<THREADS>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
     cp_async_commit();
   }
-  // Q^T as the scores' B fragments of this warp's tiles, both head halves: lane (g, t) holds Q[h][2t, 2t + 1]
-  // and Q[h][2t + 8, 2t + 9] of the tile, head h = 8 half + g
   uint32_t qf[WARP_TILES][2][2];
-#pragma unroll
-  for (int c = 0; c < WARP_TILES; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const half* row = q + (8 * h + g) * DIM + 16 * (WARP_TILES * warp + c) + 2 * t;
-      qf[c][h][0] = *reinterpret_cast<const uint32_t*>(row);
-      qf[c][h][1] = *reinterpret_cast<const uint32_t*>(row + 8);
-    }
+  load_queries<WARPS>(qf, q, warp, g, t);
   float acc_o[WARP_TILES][2][4];  // O^T: rows channels g, g + 8 of tile c, columns heads 8 half + 2t, 2t + 1
 #pragma unroll
   for (int c = 0; c < WARP_TILES; ++c)
@@ -101,7 +179,6 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
-  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
   for (int s = 0; s < steps; ++s) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // step s landed; step s - 1 is done with its stage and with the partial scores
@@ -114,61 +191,10 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
     const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
     const unsigned char* sp = st + CODE_BYTES + 2 * META_BYTES;
-    // ---- scores over this warp's channels; the tiles kept transposed for the output ----
     float acc_s[BLOCKS][2][4];
     uint32_t xt[BLOCKS][WARP_TILES][4];
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
-#pragma unroll
-      for (int gl = 0; gl < WARP_GROUPS; ++gl) {  // rows: tokens g (registers 0, 2), g + 8 (1, 3: 16 u, scale / 16)
-        const int row = (b * GROUPS + WARP_GROUPS * warp + gl) * 16 + g;
-        const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
-        const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int c = 4 * gl + c4;
-          uint32_t u[4], a[4];
-          operand4_x16<false>(u, sw[(b * TILES + WARP_TILES * warp + c) * 32 + lane], MAGIC);
-          a[0] = dequant_pair(u[0], s_a, m_a);
-          a[1] = dequant_pair(u[1], s_b, m_b);
-          a[2] = dequant_pair(u[2], s_a, m_a);
-          a[3] = dequant_pair(u[3], s_b, m_b);
-          mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
-          mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
-          xt[b][c][0] = movmatrix_trans(a[0]);  // channels 0-7 x tokens 0-7
-          xt[b][c][1] = movmatrix_trans(a[2]);  // channels 8-15 x tokens 0-7
-          xt[b][c][2] = movmatrix_trans(a[1]);  // channels 0-7 x tokens 8-15
-          xt[b][c][3] = movmatrix_trans(a[3]);
-        }
-      }
-    }
-    float* rw = red + warp * STEP * HEADS;
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        *reinterpret_cast<float2*>(rw + (16 * b + g) * HEADS + 8 * h + 2 * t) = make_float2(acc_s[b][h][0], acc_s[b][h][1]);
-        *reinterpret_cast<float2*>(rw + (16 * b + g + 8) * HEADS + 8 * h + 2 * t) =
-            make_float2(acc_s[b][h][2], acc_s[b][h][3]);
-      }
-    __syncthreads();
-    if (tid < 128) {  // the step's scores, four (token, head) a thread summed over the warps in order (the softmax's place)
-      const int i = 4 * tid;
-      float4 v = *reinterpret_cast<const float4*>(red + i);
-#pragma unroll
-      for (int w = 1; w < WARPS; ++w) {
-        const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
-        v.x += o.x;
-        v.y += o.y;
-        v.z += o.z;
-        v.w += o.w;
-      }
-      if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t_begin + s * STEP) * HEADS + i) = v;
-    }
+    step_scores<WARPS>(acc_s, xt, qf, sw, ssc, smn, warp, lane);
+    reduce_scores<WARPS>(red, acc_s, scores, t_begin + s * STEP, write_scores, tid);
     __syncthreads();  // the real kernel publishes P here
     // ---- output: O^T += X^T P over the step's two 16-token blocks ----
 #pragma unroll
@@ -226,14 +252,7 @@ __global__ void __launch_bounds__(128, 2)
     cp_async_commit();
   }
   uint32_t qf[WT][2][2];
-#pragma unroll
-  for (int c = 0; c < WT; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const half* row = q + (8 * h + g) * DIM + 16 * (WT * warp + c) + 2 * t;
-      qf[c][h][0] = *reinterpret_cast<const uint32_t*>(row);
-      qf[c][h][1] = *reinterpret_cast<const uint32_t*>(row + 8);
-    }
+  load_queries<4>(qf, q, warp, g, t);
   // wgmma D of product c: rows 16 warp + g (+ 8), i.e. channels 16 (8 warp + c) + g (+ 8), columns heads 2t,
   // 2t + 1 (+ 8); zeroed by the first step's first product (scale-d 0), not by ordinary instructions, which would
   // make ptxas serialise the wgmma pipeline
@@ -244,7 +263,6 @@ __global__ void __launch_bounds__(128, 2)
   }
   const int stsm_off = ((((lane >> 3) & 1) * 2) + (lane >> 4)) * 128 + (lane & 7) * 16;
   const uint32_t lbo = 256, sbo = 128;
-  const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
   uint32_t xt[BLOCKS][WT][4];
   for (int s = 0; s < steps; ++s) {
     cp_async_wait<STAGES - 2>();
@@ -260,58 +278,8 @@ __global__ void __launch_bounds__(128, 2)
     const uint32_t* sp = reinterpret_cast<const uint32_t*>(st + CODE_BYTES + 2 * META_BYTES);
     wgmma_wait<0>();  // step s - 1's output products are done with xt and with P^T
     float acc_s[BLOCKS][2][4];
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
-#pragma unroll
-      for (int gl = 0; gl < 2; ++gl) {  // groups 2 warp + gl
-        const int row = (b * GROUPS + 2 * warp + gl) * 16 + g;
-        const __half2 s_a = __half2half2(ssc[row]), m_a = __half2half2(smn[row]);
-        const __half2 s_b = __hmul2(__half2half2(ssc[row + 8]), sixteenth), m_b = __half2half2(smn[row + 8]);
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          const int c = 4 * gl + c4;
-          uint32_t u[4], a[4];
-          operand4_x16<false>(u, sw[(b * TILES + WT * warp + c) * 32 + lane], MAGIC);
-          a[0] = dequant_pair(u[0], s_a, m_a);
-          a[1] = dequant_pair(u[1], s_b, m_b);
-          a[2] = dequant_pair(u[2], s_a, m_a);
-          a[3] = dequant_pair(u[3], s_b, m_b);
-          mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
-          mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
-          xt[b][c][0] = movmatrix_trans(a[0]);
-          xt[b][c][1] = movmatrix_trans(a[2]);
-          xt[b][c][2] = movmatrix_trans(a[1]);
-          xt[b][c][3] = movmatrix_trans(a[3]);
-        }
-      }
-    }
-    float* rw = red + warp * STEP * HEADS;
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        *reinterpret_cast<float2*>(rw + (16 * b + g) * HEADS + 8 * h + 2 * t) = make_float2(acc_s[b][h][0], acc_s[b][h][1]);
-        *reinterpret_cast<float2*>(rw + (16 * b + g + 8) * HEADS + 8 * h + 2 * t) =
-            make_float2(acc_s[b][h][2], acc_s[b][h][3]);
-      }
-    __syncthreads();
-    {  // the step's scores summed over the warps in order (the softmax's place)
-      const int i = 4 * tid;
-      float4 v = *reinterpret_cast<const float4*>(red + i);
-#pragma unroll
-      for (int w = 1; w < 4; ++w) {
-        const float4 o = *reinterpret_cast<const float4*>(red + w * STEP * HEADS + i);
-        v.x += o.x;
-        v.y += o.y;
-        v.z += o.z;
-        v.w += o.w;
-      }
-      if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t_begin + s * STEP) * HEADS + i) = v;
-    }
+    step_scores<4>(acc_s, xt, qf, sw, ssc, smn, warp, lane);
+    reduce_scores<4>(red, acc_s, scores, t_begin + s * STEP, write_scores, tid);
     if (warp < BLOCKS) {  // P^T of block `warp` into its core matrices (the real kernel's softmax writes it here)
       const int tl0 = 16 * warp + g, hp = t;  // head pair 2t, 2t + 1 (and + 8)
       const uint32_t pr[4] = {sp[tl0 * 8 + hp], sp[(tl0 + 8) * 8 + hp], sp[tl0 * 8 + hp + 4],
