@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--num-seqs", type=int, default=128)
     ap.add_argument("--json", default=None, help="write the timings here")
+    ap.add_argument("--progress", action="store_true", help="show the calibration's progress bars (stderr)")
     args = ap.parse_args()
     if args.shape == "bundled":
         model, tok = quantmla.load(device=args.device, dtype=torch.float32)
@@ -84,19 +85,19 @@ def main() -> None:
         if method == "quantmla-raq":  # the whole calibration (layer and model stages, two RAQ-MLA fits a layer)
             modules = list(adapter.attention_modules(model))
             layers = len(modules)
-            calibrate_model(copy.deepcopy(model), tok, text, progress=False, **kw)
+            calibrate_model(copy.deepcopy(model), tok, text, progress=args.progress, **kw)
         elif method == "raq-alloc":  # the allocation needs every layer's options: all layers, the time per layer
             modules = list(adapter.attention_modules(model))
             layers = len(modules)
             cfg = CalibrationConfig(**kw)
             train_w, val_w, _ = calibration_windows(tok, text, cfg)
-            fit_codec(model, adapter, modules, train_w, val_w, cfg, progress=False)
+            fit_codec(model, adapter, modules, train_w, val_w, cfg, progress=args.progress)
         elif method in CODEC_METHODS:
             cfg = CalibrationConfig(**kw)
             train_w, val_w, _ = calibration_windows(tok, text, cfg)
-            fit_codec(model, adapter, first, train_w, val_w, cfg, progress=False)
+            fit_codec(model, adapter, first, train_w, val_w, cfg, progress=args.progress)
         else:
-            layer_stage(model, tok, text, layers=[first[0][0]], progress=False, **kw)
+            layer_stage(model, tok, text, layers=[first[0][0]], progress=args.progress, **kw)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         rows[method] = {"scheme": scheme, "seconds_per_layer": (time.perf_counter() - t0) / layers, "layers": layers}

@@ -16,7 +16,7 @@ for f in tile_h16 stream_h16 stream_h16_cs; do
 done
 python -m pytest -q -rfEs tests/kernels/test_hopper_probe.py tests/kernels/test_fragment.py 2>&1 | tail -25 | cut -c1-200
 python benchmarks/experiments/v3_tile_h16.py --per-cta ${PER_CTA:-4096 8000 8192 16384}
-for k in ${NCU_KERNELS:-stream-v3 stream-v4}; do
+for k in ${NCU_KERNELS:-stream-v3 stream-v5}; do
   echo "== ncu $k"
   ncu --kernel-name regex:stream_h16 --launch-skip 3 --launch-count 1 --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section InstructionStats \

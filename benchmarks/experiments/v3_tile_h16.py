@@ -6,10 +6,11 @@ synchronously; ``stream`` (``stream_h16.cu``) copies steps ahead with cp.async, 
 off on the tensor cores; ``stream-v2`` dequantises the operands in registers (no fold); ``stream-v3``
 (``stream_h16_cs.cu``) splits the channels across the warps on ``mma.sync``, each code unpacked once and
 transposed in registers for the output: 4 warps a CTA (128 channels a warp), ``stream-v3w8`` 8 (64 channels a warp,
-half the registers, twice the warps an SM); ``stream-v4`` is variant 3 with the output product on wgmma. The
-prototypes also
-read P (32 B a token) and may write the scores (64 B a token),
-which the real kernel keeps on chip, so two bandwidths are printed: the cache's bytes alone and everything moved.
+half the registers, twice the warps an SM); ``stream-v4`` is variant 3 with the output product on wgmma;
+``stream-v5`` variant 3 skewed by one step (each step's output beside the next step's scores, two barriers a step),
+``stream-v5s`` and ``stream-v3s`` those with the scores' mma chain split in two. The prototypes also read P (32 B
+a token) and may write the scores (64 B a token), which the real kernel keeps on chip, so two bandwidths are
+printed: the cache's bytes alone and everything moved.
 
     PYTHONPATH=src python benchmarks/experiments/v3_tile_h16.py --tokens 2097152 --per-cta 4096 8000 8192 16384
 
@@ -67,15 +68,27 @@ def main() -> None:
             t * 16 * 2,
         ),
         "stream-v3": (
-            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, False, stream),
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, 0, stream),
+            t * 16 * 2,
+        ),
+        "stream-v3s": (
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, 4, stream),
             t * 16 * 2,
         ),
         "stream-v3w8": (
-            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 8, False, stream),
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 8, 0, stream),
             t * 16 * 2,
         ),
         "stream-v4": (
-            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, True, stream),
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, 1, stream),
+            t * 16 * 2,
+        ),
+        "stream-v5": (
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, 2, stream),
+            t * 16 * 2,
+        ),
+        "stream-v5s": (
+            lambda per: ext.stream_h16_cs(words, scale_gm, minimum_gm, q, p_t, per, False, 4, 3, stream),
             t * 16 * 2,
         ),
     }

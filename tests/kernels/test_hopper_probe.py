@@ -34,7 +34,9 @@ def test_variant_3_refuses_a_warp_count_it_has_no_kernel_for():
     with pytest.raises(ValueError, match=r"warps=6 .*valid: 4, 8"):
         stream_h16_cs(*args, warps=6)
     with pytest.raises(ValueError, match=r"warps=8 .*valid: 4"):
-        stream_h16_cs(*args, warps=8, wgmma_output=True)
+        stream_h16_cs(*args, warps=8, schedule="wgmma-output")
+    with pytest.raises(ValueError, match=r"schedule='skew' .*valid: plain, wgmma-output, skewed, skewed-split, plain-"):
+        stream_h16_cs(*args, schedule="skew")
 
 
 @pytest.mark.gpu
@@ -107,7 +109,9 @@ def test_h16_prototypes_against_float64(kernel, per_cta):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(MISSING is not None, reason=f"Hopper extensions unavailable: {MISSING}")
-@pytest.mark.parametrize("kernel", ["stream-v2", "stream-v3", "stream-v3w8", "stream-v4"])
+@pytest.mark.parametrize(
+    "kernel", ["stream-v2", "stream-v3", "stream-v3s", "stream-v3w8", "stream-v4", "stream-v5", "stream-v5s"]
+)
 @pytest.mark.parametrize("per_cta", [32, 64, 96, 256])
 def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta):
     # variants 2 and 3 round x = u s + m to fp16 once (HFMA2) and multiply it exactly in fp32: elementwise, the
@@ -120,8 +124,12 @@ def test_h16_prototype_dequantised_in_registers_against_float64(kernel, per_cta)
 
     if kernel == "stream-v2" and per_cta % 64:
         pytest.skip("variant 2 steps 64 tokens")
-    runs = {"stream-v2": stream_h16_dq, "stream-v3": stream_h16_cs, "stream-v3w8": partial(stream_h16_cs, warps=8),
-            "stream-v4": partial(stream_h16_cs, wgmma_output=True)}  # fmt: skip
+    runs = {"stream-v2": stream_h16_dq, "stream-v3": stream_h16_cs,
+            "stream-v3s": partial(stream_h16_cs, schedule="plain-split"),
+            "stream-v3w8": partial(stream_h16_cs, warps=8),
+            "stream-v4": partial(stream_h16_cs, schedule="wgmma-output"),
+            "stream-v5": partial(stream_h16_cs, schedule="skewed"),
+            "stream-v5s": partial(stream_h16_cs, schedule="skewed-split")}  # fmt: skip
     run = runs[kernel]
     codes, scale, minimum, q, p = _h16_inputs(seed=11)
     dev = torch.device("cuda")

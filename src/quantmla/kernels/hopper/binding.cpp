@@ -16,7 +16,7 @@ extern "C" int quantmla_stream_h16_dq(const uint32_t* words, const void* scale_g
                                       void* stream);
 extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
                                       const void* q, const void* p, float* scores, float* partial, int tokens,
-                                      int per_cta, int ctas, int write_scores, int warps, int wgmma_out, void* stream);
+                                      int per_cta, int ctas, int write_scores, int warps, int schedule, void* stream);
 
 // `stream`: the caller's current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so the
 // binding needs no CUDA headers
@@ -127,20 +127,21 @@ std::vector<torch::Tensor> stream_h16_dq(torch::Tensor words, torch::Tensor scal
   return out;
 }
 
-// variant 3 (the channels split across 4 or 8 warps, mma.sync) and variant 4 (wgmma_out: the output product on
-// wgmma, 4 warps): as stream_h16_dq, tokens and per_cta multiples of 32
+// variant 3 (the channels split across 4 or 8 warps, mma.sync; schedule 0), variant 4 (1: the output product on
+// wgmma) and variant 5 (2, 3 with the scores' chain split: skewed by one step), 4 warps: as stream_h16_dq, tokens
+// and per_cta multiples of 32
 std::vector<torch::Tensor> stream_h16_cs(torch::Tensor words, torch::Tensor scale_gm, torch::Tensor minimum_gm,
                                          torch::Tensor q, torch::Tensor p, int64_t per_cta, bool write_scores,
-                                         int64_t warps, bool wgmma_out, int64_t stream) {
+                                         int64_t warps, int64_t schedule, int64_t stream) {
   auto out = dq_outputs(words, scale_gm, minimum_gm, q, p, per_cta, write_scores);
   const int rc = quantmla_stream_h16_cs(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()),
                                         scale_gm.data_ptr(), minimum_gm.data_ptr(), q.data_ptr(), p.data_ptr(),
                                         out[0].data_ptr<float>(), out[1].data_ptr<float>(),
                                         static_cast<int>(p.size(0)), static_cast<int>(per_cta),
                                         static_cast<int>(out[1].size(0)), write_scores ? 1 : 0,
-                                        static_cast<int>(warps), wgmma_out ? 1 : 0, reinterpret_cast<void*>(stream));
+                                        static_cast<int>(warps), static_cast<int>(schedule), reinterpret_cast<void*>(stream));
   TORCH_CHECK(rc == 0, "stream_h16_cs launch failed (", rc,
-              "; -2: tokens and per_cta must be multiples of 32; -3: warps must be 4 or 8, and 4 with wgmma_out)");
+              "; -2: tokens and per_cta must be multiples of 32; -3: warps must be 4 or 8, and 4 with schedules 1-3)");
   return out;
 }
 

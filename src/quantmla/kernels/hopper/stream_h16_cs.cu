@@ -79,19 +79,22 @@ __device__ __forceinline__ void load_queries(uint32_t (&qf)[TILES / WARPS][2][2]
 
 // a step's partial scores over this warp's channels (acc_s), each code unpacked and dequantised once; the tiles
 // kept transposed for the output (xt)
-template <int WARPS>
+// SPLIT: the odd tiles accumulate apart and are added at the end (two dependent mma chains of 4 instead of one
+// of 8 a block and head half; 16 more registers)
+template <int WARPS, bool SPLIT = false>
 __device__ __forceinline__ void step_scores(float (&acc_s)[BLOCKS][2][4], uint32_t (&xt)[BLOCKS][TILES / WARPS][4],
                                             const uint32_t (&qf)[TILES / WARPS][2][2], const uint32_t* sw,
                                             const half* ssc, const half* smn, int warp, int lane) {
   constexpr int WARP_TILES = TILES / WARPS, WARP_GROUPS = GROUPS / WARPS;
   const int g = lane >> 2;
   const __half2 sixteenth = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+  float acc_odd[BLOCKS][2][4];
 #pragma unroll
   for (int b = 0; b < BLOCKS; ++b) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc_s[b][h][i] = 0.f;
+      for (int i = 0; i < 4; ++i) acc_s[b][h][i] = acc_odd[b][h][i] = 0.f;
 #pragma unroll
     for (int gl = 0; gl < WARP_GROUPS; ++gl) {  // rows: tokens g (registers 0, 2), g + 8 (1, 3: 16 u, scale / 16)
       const int row = (b * GROUPS + WARP_GROUPS * warp + gl) * 16 + g;
@@ -106,23 +109,32 @@ __device__ __forceinline__ void step_scores(float (&acc_s)[BLOCKS][2][4], uint32
         a[1] = dequant_pair(u[1], s_b, m_b);
         a[2] = dequant_pair(u[2], s_a, m_a);
         a[3] = dequant_pair(u[3], s_b, m_b);
-        mma_m16n8k16(acc_s[b][0], a, qf[c][0][0], qf[c][0][1]);
-        mma_m16n8k16(acc_s[b][1], a, qf[c][1][0], qf[c][1][1]);
+        float(&acc)[2][4] = SPLIT && (c4 & 1) ? acc_odd[b] : acc_s[b];
+        mma_m16n8k16(acc[0], a, qf[c][0][0], qf[c][0][1]);
+        mma_m16n8k16(acc[1], a, qf[c][1][0], qf[c][1][1]);
         xt[b][c][0] = movmatrix_trans(a[0]);  // channels 0-7 x tokens 0-7
         xt[b][c][1] = movmatrix_trans(a[2]);  // channels 8-15 x tokens 0-7
         xt[b][c][2] = movmatrix_trans(a[1]);  // channels 0-7 x tokens 8-15
         xt[b][c][3] = movmatrix_trans(a[3]);
       }
     }
+    if (SPLIT)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[b][h][i] += acc_odd[b][h][i];
   }
 }
 
 // the warps' partial scores through shared memory (red [WARPS][32 tokens][16 heads]), one barrier, then summed
 // over the warps in order, four (token, head) a thread of the first 128 (the softmax's place), written to scores
 // from token t0 when asked
+// pub (variant 5): where the summing thread writes its four P values (token-major [32][16] fp16, from p_in): the
+// real kernel's softmax writes P there from the sums
 template <int WARPS>
 __device__ __forceinline__ void reduce_scores(float* red, const float (&acc_s)[BLOCKS][2][4], float* scores, int t0,
-                                              int write_scores, int tid) {
+                                              int write_scores, int tid, const unsigned char* p_in = nullptr,
+                                              unsigned char* pub = nullptr) {
   const int warp = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
   float* rw = red + warp * STEP * HEADS;
 #pragma unroll
@@ -146,13 +158,31 @@ __device__ __forceinline__ void reduce_scores(float* red, const float (&acc_s)[B
       v.w += o.w;
     }
     if (write_scores) *reinterpret_cast<float4*>(scores + size_t(t0) * HEADS + i) = v;
+    if (pub != nullptr) *reinterpret_cast<uint2*>(pub + 2 * i) = *reinterpret_cast<const uint2*>(p_in + 2 * i);
+  }
+}
+
+// a step's output O^T += X^T P over its two 16-token blocks, P token-major [32][16] fp16 in shared memory
+template <int WARP_TILES>
+__device__ __forceinline__ void step_output(float (&acc_o)[WARP_TILES][2][4], const uint32_t (&xt)[BLOCKS][WARP_TILES][4],
+                                            const unsigned char* sp, int lane) {
+#pragma unroll
+  for (int b = 0; b < BLOCKS; ++b) {
+    uint32_t pb[4];  // B fragments: heads 0-7 (registers 0, 1: tokens 0-7, 8-15), heads 8-15 (2, 3)
+    const int j = lane >> 3, r = lane & 7;
+    ldmatrix_x4_trans(pb, sp + (16 * b + 8 * (j & 1) + r) * (HEADS * 2) + (j >> 1) * 16);
+#pragma unroll
+    for (int c = 0; c < WARP_TILES; ++c) {
+      mma_m16n8k16(acc_o[c][0], xt[b][c], pb[0], pb[1]);
+      mma_m16n8k16(acc_o[c][1], xt[b][c], pb[2], pb[3]);
+    }
   }
 }
 
 // words [T/16][32 tiles][32 lanes]; scale_gm, minimum_gm [T/16][8][16] fp16; q [16][512] fp16; p [T][16] fp16;
 // scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32. WARPS 4: each warp owns 128
 // channels (groups 2w, 2w + 1); WARPS 8: 64 (group w), half the registers a thread, twice the warps an SM.
-template <int WARPS>
+template <int WARPS, bool SPLIT>
 __global__ void __launch_bounds__(32 * WARPS, 2)
     stream_h16_cs_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
                          const half* __restrict__ minimum_gm, const half* __restrict__ q, const half* __restrict__ p,
@@ -193,21 +223,10 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     const unsigned char* sp = st + CODE_BYTES + 2 * META_BYTES;
     float acc_s[BLOCKS][2][4];
     uint32_t xt[BLOCKS][WARP_TILES][4];
-    step_scores<WARPS>(acc_s, xt, qf, sw, ssc, smn, warp, lane);
+    step_scores<WARPS, SPLIT>(acc_s, xt, qf, sw, ssc, smn, warp, lane);
     reduce_scores<WARPS>(red, acc_s, scores, t_begin + s * STEP, write_scores, tid);
     __syncthreads();  // the real kernel publishes P here
-    // ---- output: O^T += X^T P over the step's two 16-token blocks ----
-#pragma unroll
-    for (int b = 0; b < BLOCKS; ++b) {
-      uint32_t pb[4];  // B fragments: heads 0-7 (registers 0, 1: tokens 0-7, 8-15), heads 8-15 (2, 3)
-      const int j = lane >> 3, r = lane & 7;
-      ldmatrix_x4_trans(pb, sp + (16 * b + 8 * (j & 1) + r) * (HEADS * 2) + (j >> 1) * 16);
-#pragma unroll
-      for (int c = 0; c < WARP_TILES; ++c) {
-        mma_m16n8k16(acc_o[c][0], xt[b][c], pb[0], pb[1]);
-        mma_m16n8k16(acc_o[c][1], xt[b][c], pb[2], pb[3]);
-      }
-    }
+    step_output<WARP_TILES>(acc_o, xt, sp, lane);  // O^T += X^T P over the step's two 16-token blocks
   }
   cp_async_wait<0>();
   float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
@@ -218,6 +237,79 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int ch = 16 * (WARP_TILES * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
+        out[head * DIM + ch] = acc_o[c][h][i];
+      }
+}
+
+// Variant 5: variant 3 skewed by one step. Step s's output product runs after the barrier that opens step s + 1,
+// beside step s + 1's scores in the same warp (independent chains for the scheduler to interleave: the output's
+// mma.sync on the previous tiles while the next tiles are unpacked), and that barrier also publishes P: two
+// barriers a step instead of three. P goes to its own double-buffered slot (written by the summing threads,
+// where the real kernel's softmax writes it), since the copy ring reuses step s's stage at step s + 1. The tiles
+// in registers are the previous step's until the scores overwrite them, tile by tile. SPLIT: variant 5 with the
+// scores' mma chain split in two (step_scores).
+constexpr int PUB_BYTES = 2 * P_BYTES;
+constexpr int SMEM_SKEW_BYTES = RED_BYTES<4> + PUB_BYTES + STAGES * STAGE_BYTES;  // 41,984
+
+template <bool SPLIT>
+__global__ void __launch_bounds__(128, 2)
+    stream_h16_cs_skew_kernel(const uint32_t* __restrict__ words, const half* __restrict__ scale_gm,
+                              const half* __restrict__ minimum_gm, const half* __restrict__ q,
+                              const half* __restrict__ p, float* __restrict__ scores, float* __restrict__ partial,
+                              int tokens, int per_cta, int write_scores) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int WT = TILES / 4;
+  float* red = reinterpret_cast<float*>(smem);
+  unsigned char* pub = smem + RED_BYTES<4>;  // [2 steps][32 tokens][16 heads] fp16
+  unsigned char* stages = pub + PUB_BYTES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
+  const int steps = max(0, (t_end - t_begin) / STEP);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load_step<128>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    cp_async_commit();
+  }
+  uint32_t qf[WT][2][2];
+  load_queries<4>(qf, q, warp, g, t);
+  float acc_o[WT][2][4];
+#pragma unroll
+  for (int c = 0; c < WT; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
+  uint32_t xt[BLOCKS][WT][4];
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step s landed; step s - 1's P is published; its partial scores and stage are consumed
+    if (s + STAGES - 1 < steps)
+      load_step<128>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+                     t_begin + (s + STAGES - 1) * STEP, tid);
+    cp_async_commit();
+    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
+    const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
+    const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
+    if (s > 0) step_output<WT>(acc_o, xt, pub + ((s - 1) & 1) * P_BYTES, lane);  // step s - 1's output
+    float acc_s[BLOCKS][2][4];
+    step_scores<4, SPLIT>(acc_s, xt, qf, sw, ssc, smn, warp, lane);
+    reduce_scores<4>(red, acc_s, scores, t_begin + s * STEP, write_scores, tid, st + CODE_BYTES + 2 * META_BYTES,
+                     pub + (s & 1) * P_BYTES);
+  }
+  if (steps > 0) {
+    __syncthreads();  // the last step's P is published
+    step_output<WT>(acc_o, xt, pub + ((steps - 1) & 1) * P_BYTES, lane);
+  }
+  cp_async_wait<0>();
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int c = 0; c < WT; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ch = 16 * (WT * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
         out[head * DIM + ch] = acc_o[c][h][i];
       }
 }
@@ -312,11 +404,11 @@ __global__ void __launch_bounds__(128, 2)
 }  // namespace quantmla
 
 namespace {
-template <int WARPS>
+template <int WARPS, bool SPLIT = false>
 int launch_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm, const void* q, const void* p,
               float* scores, float* partial, int tokens, int per_cta, int ctas, int write_scores, void* stream) {
   using namespace quantmla::h16c;
-  auto kernel = stream_h16_cs_kernel<WARPS>;
+  auto kernel = stream_h16_cs_kernel<WARPS, SPLIT>;
   if (SMEM_BYTES<WARPS> > 48 * 1024)
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES<WARPS>);
   kernel<<<ctas, 32 * WARPS, SMEM_BYTES<WARPS>, static_cast<cudaStream_t>(stream)>>>(
@@ -326,15 +418,37 @@ int launch_cs(const uint32_t* words, const void* scale_gm, const void* minimum_g
 }
 }  // namespace
 
-// warps 4 or 8 (-3 otherwise), wgmma_out (variant 4, 4 warps only); -2: tokens or per_cta not a multiple of 32
+namespace {
+template <bool SPLIT>
+int launch_skew(const uint32_t* words, const void* scale_gm, const void* minimum_gm, const void* q, const void* p,
+                float* scores, float* partial, int tokens, int per_cta, int ctas, int write_scores, void* stream) {
+  using namespace quantmla::h16c;
+  stream_h16_cs_skew_kernel<SPLIT><<<ctas, 128, SMEM_SKEW_BYTES, static_cast<cudaStream_t>(stream)>>>(
+      words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm), static_cast<const half*>(q),
+      static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores);
+  return static_cast<int>(cudaGetLastError());
+}
+}  // namespace
+
+// warps 4 or 8 (-3 otherwise); schedule 0: variant 3, 1: variant 4 (the output on wgmma), 2: variant 5 (skewed),
+// 3: variant 5 with the scores' chain split, 4: variant 3 with it; 1-4 with 4 warps only (-3 otherwise); -2:
+// tokens or per_cta not a multiple of 32
 extern "C" int quantmla_stream_h16_cs(const uint32_t* words, const void* scale_gm, const void* minimum_gm,
                                       const void* q, const void* p, float* scores, float* partial, int tokens,
-                                      int per_cta, int ctas, int write_scores, int warps, int wgmma_out,
+                                      int per_cta, int ctas, int write_scores, int warps, int schedule,
                                       void* stream) {
   using namespace quantmla::h16c;
   if (tokens % STEP || per_cta % STEP) return -2;
-  if (wgmma_out) {
-    if (warps != 4) return -3;
+  if (schedule < 0 || schedule > 4 || (schedule > 0 && warps != 4)) return -3;
+  if (schedule == 4)
+    return launch_cs<4, true>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta, ctas,
+                              write_scores, stream);
+  if (schedule >= 2)
+    return schedule == 2 ? launch_skew<false>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta,
+                                              ctas, write_scores, stream)
+                         : launch_skew<true>(words, scale_gm, minimum_gm, q, p, scores, partial, tokens, per_cta,
+                                             ctas, write_scores, stream);
+  if (schedule == 1) {
     stream_h16_cs_wg_kernel<<<ctas, 128, SMEM_WG_BYTES, static_cast<cudaStream_t>(stream)>>>(
         words, static_cast<const half*>(scale_gm), static_cast<const half*>(minimum_gm),
         static_cast<const half*>(q), static_cast<const half*>(p), scores, partial, tokens, per_cta, write_scores);

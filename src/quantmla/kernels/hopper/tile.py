@@ -53,20 +53,29 @@ def stream_h16_dq(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tenso
     return scores, partial.sum(0)
 
 
+#: variant 3's schedules (:func:`stream_h16_cs`): the extension's code of each
+CS_SCHEDULES = {"plain": 0, "wgmma-output": 1, "skewed": 2, "skewed-split": 3, "plain-split": 4}
+
+
 def stream_h16_cs(words: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, q: torch.Tensor, p_t: torch.Tensor,
                   per_cta: int = 1024, write_scores: bool = True, warps: int = 4,
-                  wgmma_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  schedule: str = "plain") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """As :func:`stream_h16_dq`, variant 3: the channels split across ``warps`` warps (4: 128 channels a warp, 8:
     64), on ``mma.sync``, each code unpacked and dequantised once and transposed in registers (``movmatrix``) for
-    the output; ``per_cta`` a multiple of 32. ``wgmma_output`` (variant 4, 4 warps): the output product on wgmma,
-    its A operand the transposed tiles in registers (the c-th product takes every warp's c-th tile)."""
+    the output; ``per_cta`` a multiple of 32. ``schedule`` (4 warps for all but ``plain``): ``wgmma-output``
+    (variant 4) the output product on wgmma, its A operand the transposed tiles in registers (the c-th product
+    takes every warp's c-th tile); ``skewed`` (variant 5) each step's output product after the next step's
+    barrier, beside its scores, P in its own double-buffered slot (two barriers a step instead of three);
+    ``skewed-split`` and ``plain-split`` those with the scores' mma chain split in two."""
     if warps not in (4, 8):
         raise ValueError(f"warps={warps} is not supported; valid: 4, 8")
-    if wgmma_output and warps != 4:
-        raise ValueError(f"wgmma_output runs one warpgroup: warps={warps} is not supported with it; valid: 4")
+    if schedule not in CS_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not a variant-3 schedule; valid: {', '.join(CS_SCHEDULES)}")
+    if schedule != "plain" and warps != 4:
+        raise ValueError(f"schedule {schedule!r} runs one warpgroup: warps={warps} is not supported with it; valid: 4")
     stream = torch.cuda.current_stream(words.device).cuda_stream
     scores, partial = extension("v3").stream_h16_cs(words, group_major(scale), group_major(minimum), q, p_t, per_cta,
-                                                    write_scores, warps, wgmma_output, stream)  # fmt: skip
+                                                    write_scores, warps, CS_SCHEDULES[schedule], stream)  # fmt: skip
     return scores, partial.sum(0)
 
 
