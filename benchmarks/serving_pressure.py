@@ -70,6 +70,13 @@ def engine(model: str, scheme: str, budget: int, max_len: int, args, max_num_seq
     extra = {} if scheme.endswith("-vllm") else {"quantmla": {"scheme": scheme, "windows": windows(args)}}
     kw = dict(model=model, dtype=args.dtype, max_model_len=max_len, kv_cache_memory_bytes=budget, seed=0,
               additional_config=extra, disable_log_stats=False, max_num_seqs=max_num_seqs)  # fmt: skip
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.profile_dir:  # torch profiler traces of profile_steps engine steps from profile_delay on
+        trace_dir = str(Path(args.profile_dir).resolve() / scheme)
+        kw["profiler_config"] = dict(profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
+                                     ignore_frontend=True, delay_iterations=args.profile_delay,
+                                     max_iterations=args.profile_steps)  # fmt: skip
     if scheme == "fp8-vllm":
         kw["kv_cache_dtype"] = "fp8"
     if args.gpu:
@@ -101,8 +108,10 @@ def run(model: str, scheme: str, budget: int, args) -> list[dict]:
         cfg = llm.llm_engine.vllm_config.cache_config
         kv_tokens = cfg.num_gpu_blocks * cfg.block_size
         win = [0, 0] if scheme.endswith("-vllm") or scheme == "bf16" else windows(args)
+        batched = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         rows += [dict(workload(llm, n, p, o, args), scheme=scheme, budget_mib=budget / 2**20, kv_tokens=kv_tokens,
-                      max_num_seqs=seqs, windows=win) for n, p, o in group]  # fmt: skip
+                      max_num_seqs=seqs, windows=win, max_num_batched_tokens=batched)
+                 for n, p, o in group]  # fmt: skip
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -118,9 +127,13 @@ def workload(llm, requests: int, prompt: int, output: int, args) -> dict:
     sp = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     pre0 = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    if args.profile_dir:
+        llm.start_profile()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
+    if args.profile_dir:
+        llm.stop_profile()
     pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") - pre0
     ms = [o.metrics for o in outs]
     spans = sorted([(m.scheduled_ts, 1) for m in ms] + [(m.last_token_ts, -1) for m in ms])
@@ -134,7 +147,11 @@ def workload(llm, requests: int, prompt: int, output: int, args) -> dict:
         "workload": f"{requests}x{prompt}+{output}", "peak_in_flight": peak,
         "preemptions": int(pre), "seconds": wall, "output_tok_s": n_out / wall,
         "ttft_median_s": statistics.median(m.first_token_latency for m in ms),
-        "tpot_median_ms": 1e3 * statistics.median(tpot),
+        "tpot_median_ms": 1e3 * statistics.median(tpot), "profiled": bool(args.profile_dir),
+        # per request, in order of first token: whoever decodes while others still prefill has those steps in
+        # its TPOT, the last one only decode steps
+        "ttft_s_each": [m.first_token_latency for m in sorted(ms, key=lambda m: m.first_token_ts)],
+        "tpot_ms_each": [1e3 * t for _, t in sorted(zip([m.first_token_ts for m in ms], tpot, strict=True))],
     }  # fmt: skip
 
 
@@ -224,6 +241,14 @@ def main() -> None:
     ap.add_argument("--workloads", default="", help="e.g. 5x32768+1024,48x4096+2048 (overrides the three above)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="0: each workload its own engine, sized to it")
     ap.add_argument("--windows", default="4,128", help="quantmla's sink,recent (0,0: every token as stored)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="vLLM's token budget a step (0: vLLM's default); at requests x prompt every prefill runs "
+                         "in the first step, so TPOT is the decode step alone")  # fmt: skip
+    ap.add_argument("--profile-dir", default="",
+                    help="GPU: torch profiler traces of the engine steps into DIR/SCHEME (scripts/profile_summary.py "
+                         "reads them); the rows say profiled")  # fmt: skip
+    ap.add_argument("--profile-delay", type=int, default=100, help="engine steps before the profiled ones")
+    ap.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled")
     ap.add_argument("--append", action="store_true", help="add the rows to OUT/serving.json instead of replacing")
     ap.add_argument("--decode-step", action="store_true", help="also time the decode step's attention alone")
     ap.add_argument("--decode-only", action="store_true", help="only time the decode step's attention")

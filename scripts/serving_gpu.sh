@@ -10,7 +10,13 @@
 #                                              each workload (WORKLOADS) its own engine of max_num_seqs = its requests
 #                                              rounded up to a multiple of 8
 #                                              (SEQS=N: one engine of N), windows WINDOWS (default 4,128),
+#                                              BATCHED=N: vLLM's max_num_batched_tokens (default vLLM's),
 #                                              schemes S (comma list) at budgets B (MiB, comma list)
+#   bash scripts/serving_gpu.sh profile S B    the pressure run of scheme S at budget B MiB (WORKLOADS, default
+#                                              5x32768+1024; SEQS default 8; BATCHED default 163840: every prefill
+#                                              in the first step) under vLLM's torch profiler for STEPS (12) engine
+#                                              steps from the start; scripts/profile_summary.py's table, the trace
+#                                              and vLLM's kernel table into $OUT/serving-gpu/profile-S*
 #   bash scripts/serving_gpu.sh serve          `vllm serve` on a DeepSeek-V2-Lite directory (dummy weights, the bundled
 #                                              tokenizer) whose quantmla.json asks for C4R4: two /v1/completions
 #                                              requests, the server's quantmla log lines, then the server stops
@@ -39,7 +45,16 @@ decode)
 pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
-    --windows "${WINDOWS:-4,128}";;
+    --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-0}";;
+profile)
+  rm -rf "/tmp/prof/$2"
+  python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
+    --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024}" --max-num-seqs "${SEQS:-8}" \
+    --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-163840}" --profile-dir /tmp/prof \
+    --profile-delay 0 --profile-steps "${STEPS:-12}"
+  python scripts/profile_summary.py /tmp/prof --json "$out/profile-summary.json"
+  for f in /tmp/prof/"$2"/*.pt.trace.json.gz; do cp "$f" "$out/profile-$2.trace.json.gz"; done
+  cp /tmp/prof/"$2"/profiler_out_0.txt "$out/profile-$2-kernels.txt";;
 serve)
   d=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import serving_pressure as s; \
 print(s.dummy_model_dir(Path('$out/serve')))")
@@ -66,6 +81,6 @@ for prompt in ["The capital of France is", "Once upon a time"]:
 PY
   kill "$pid" 2> /dev/null; wait "$pid" || true
   grep -i -E "quantmla|kv cache|maximum concurrency|error" "$out/serve.log" | head -30;;
-*) sed -n '2,17p' "$0"; exit 2;;
+*) sed -n '2,22p' "$0"; exit 2;;
 esac
 cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true
