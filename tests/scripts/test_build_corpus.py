@@ -1,19 +1,14 @@
 """Corpus v2's kernel reader on a synthetic kernel tarball: what it keeps, what it leaves out, and that the
 choice is deterministic."""
 
-import importlib.util
 import io
 import tarfile
+from functools import partial
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_corpus.py"
+from script_modules import load_script
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("build_corpus", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_module = partial(load_script, "scripts/build_corpus.py")
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:

@@ -1,19 +1,13 @@
 """The profile summary splits vLLM's steps by their annotation into decode and prefill steps and divides the
 kernels inside each step's span by the steps."""
 
-import importlib.util
-from pathlib import Path
+from functools import partial
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_summary.py"
+from script_modules import load_script
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("profile_summary", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_module = partial(load_script, "scripts/profile_summary.py")
 
 
 def _step(t: int, name: str, dur: int) -> dict:

@@ -1,23 +1,16 @@
 """The synthetic retrieval rows mixed into model v2's training: exact length, the needles and their answers
 where they should be, determinism, and keys disjoint from the NIAH evaluation's."""
 
-import importlib.util
-from pathlib import Path
+from functools import partial
 
 import numpy as np
 import pytest
 
 from quantmla.eval import niah
 from quantmla.models.loading import builtin_path
+from script_modules import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "retrieval_mix.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("retrieval_mix", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_module = partial(load_script, "scripts/retrieval_mix.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,14 @@
 directory whose ``quantmla.json`` switches the plugin on is one clear error (a run on the H200 measured C4R4
 as ``bf16-vllm`` that way before the check existed)."""
 
-import importlib.util
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_pressure.py"
+from script_modules import load_script
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("serving_pressure", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+_module = partial(load_script, "benchmarks/serving_pressure.py")
 
 
 def test_vllm_schemes_refuse_a_directory_that_switches_the_plugin_on(tmp_path):

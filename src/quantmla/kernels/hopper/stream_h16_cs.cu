@@ -62,6 +62,33 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
   cp_async16(stage + CODE_BYTES + 16 * c, src);
 }
 
+// the ring's first STAGES - 1 steps (a group committed for each, copied or not)
+template <int THREADS>
+__device__ __forceinline__ void prefetch_steps(unsigned char* stages, const uint32_t* words, const half* scale_gm,
+                                               const half* minimum_gm, const half* p, int t_begin, int steps,
+                                               int tid) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps) load_step<THREADS>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
+    cp_async_commit();
+  }
+}
+
+// step s's stage, once it has landed: one barrier (every thread is also done with step s - 1's stage, which the
+// copy of step s + STAGES - 1 issued here overwrites)
+template <int THREADS>
+__device__ __forceinline__ const unsigned char* begin_step(unsigned char* stages, const uint32_t* words,
+                                                           const half* scale_gm, const half* minimum_gm,
+                                                           const half* p, int t_begin, int s, int steps, int tid) {
+  cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  if (s + STAGES - 1 < steps)
+    load_step<THREADS>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
+                       t_begin + (s + STAGES - 1) * STEP, tid);
+  cp_async_commit();
+  return stages + (s % STAGES) * STAGE_BYTES;
+}
+
 // Q^T as the scores' B fragments of this warp's tiles (8 warp + c with 4 warps), both head halves: lane (g, t)
 // holds Q[h][2t, 2t + 1] and Q[h][2t + 8, 2t + 9] of the tile, head h = 8 half + g
 template <int WARPS>
@@ -179,6 +206,33 @@ __device__ __forceinline__ void step_output(float (&acc_o)[WARP_TILES][2][4], co
   }
 }
 
+template <int WARP_TILES>
+__device__ __forceinline__ void zero_output(float (&acc_o)[WARP_TILES][2][4]) {
+#pragma unroll
+  for (int c = 0; c < WARP_TILES; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
+}
+
+// this CTA's O^T partial, [16 heads][512 channels] fp32: rows channels g, g + 8 of the warp's tile c, columns
+// heads 8 half + 2t, 2t + 1
+template <int WARP_TILES>
+__device__ __forceinline__ void store_output(float* partial, const float (&acc_o)[WARP_TILES][2][4], int warp, int g,
+                                             int t) {
+  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
+#pragma unroll
+  for (int c = 0; c < WARP_TILES; ++c)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int ch = 16 * (WARP_TILES * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
+        out[head * DIM + ch] = acc_o[c][h][i];
+      }
+}
+
 // words [T/16][32 tiles][32 lanes]; scale_gm, minimum_gm [T/16][8][16] fp16; q [16][512] fp16; p [T][16] fp16;
 // scores [T][16] fp32 (written when write_scores); partial [ctas][16][512] fp32. WARPS 4: each warp owns 128
 // channels (groups 2w, 2w + 1); WARPS 8: 64 (group w), half the registers a thread, twice the warps an SM.
@@ -195,28 +249,14 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
   const int steps = max(0, (t_end - t_begin) / STEP);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load_step<THREADS>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
-    cp_async_commit();
-  }
+  prefetch_steps<THREADS>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WARP_TILES][2][2];
   load_queries<WARPS>(qf, q, warp, g, t);
   float acc_o[WARP_TILES][2][4];  // O^T: rows channels g, g + 8 of tile c, columns heads 8 half + 2t, 2t + 1
-#pragma unroll
-  for (int c = 0; c < WARP_TILES; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
+  zero_output<WARP_TILES>(acc_o);
   for (int s = 0; s < steps; ++s) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // step s landed; step s - 1 is done with its stage and with the partial scores
-    if (s + STAGES - 1 < steps)
-      load_step<THREADS>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
-                t_begin + (s + STAGES - 1) * STEP, tid);
-    cp_async_commit();
-    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    // step s landed; step s - 1 is done with its stage and with the partial scores
+    const unsigned char* st = begin_step<THREADS>(stages, words, scale_gm, minimum_gm, p, t_begin, s, steps, tid);
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
     const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
     const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
@@ -229,16 +269,7 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     step_output<WARP_TILES>(acc_o, xt, sp, lane);  // O^T += X^T P over the step's two 16-token blocks
   }
   cp_async_wait<0>();
-  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
-#pragma unroll
-  for (int c = 0; c < WARP_TILES; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int ch = 16 * (WARP_TILES * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
-        out[head * DIM + ch] = acc_o[c][h][i];
-      }
+  store_output<WARP_TILES>(partial, acc_o, warp, g, t);
 }
 
 // Variant 5: variant 3 skewed by one step. Step s's output product runs after the barrier that opens step s + 1,
@@ -265,29 +296,15 @@ __global__ void __launch_bounds__(128, 2)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
   const int steps = max(0, (t_end - t_begin) / STEP);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load_step<128>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
-    cp_async_commit();
-  }
+  prefetch_steps<128>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WT][2][2];
   load_queries<4>(qf, q, warp, g, t);
   float acc_o[WT][2][4];
-#pragma unroll
-  for (int c = 0; c < WT; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_o[c][h][i] = 0.f;
+  zero_output<WT>(acc_o);
   uint32_t xt[BLOCKS][WT][4];
   for (int s = 0; s < steps; ++s) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // step s landed; step s - 1's P is published; its partial scores and stage are consumed
-    if (s + STAGES - 1 < steps)
-      load_step<128>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
-                     t_begin + (s + STAGES - 1) * STEP, tid);
-    cp_async_commit();
-    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    // step s landed; step s - 1's P is published; its partial scores and stage are consumed
+    const unsigned char* st = begin_step<128>(stages, words, scale_gm, minimum_gm, p, t_begin, s, steps, tid);
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
     const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
     const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
@@ -302,16 +319,7 @@ __global__ void __launch_bounds__(128, 2)
     step_output<WT>(acc_o, xt, pub + ((steps - 1) & 1) * P_BYTES, lane);
   }
   cp_async_wait<0>();
-  float* out = partial + size_t(blockIdx.x) * HEADS * DIM;
-#pragma unroll
-  for (int c = 0; c < WT; ++c)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int ch = 16 * (WT * warp + c) + g + 8 * (i >> 1), head = 8 * h + 2 * t + (i & 1);
-        out[head * DIM + ch] = acc_o[c][h][i];
-      }
+  store_output<WT>(partial, acc_o, warp, g, t);
 }
 
 // Variant 4: variant 3 with the output product on wgmma. Warp w owns channel tiles 8w .. 8w + 7 as in variant 3;
@@ -338,11 +346,7 @@ __global__ void __launch_bounds__(128, 2)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
   const int steps = max(0, (t_end - t_begin) / STEP);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < steps) load_step<128>(stages + s * STAGE_BYTES, words, scale_gm, minimum_gm, p, t_begin + s * STEP, tid);
-    cp_async_commit();
-  }
+  prefetch_steps<128>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WT][2][2];
   load_queries<4>(qf, q, warp, g, t);
   // wgmma D of product c: rows 16 warp + g (+ 8), i.e. channels 16 (8 warp + c) + g (+ 8), columns heads 2t,
@@ -357,13 +361,8 @@ __global__ void __launch_bounds__(128, 2)
   const uint32_t lbo = 256, sbo = 128;
   uint32_t xt[BLOCKS][WT][4];
   for (int s = 0; s < steps; ++s) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // step s landed; step s - 1 is done with its stage and the partial scores
-    if (s + STAGES - 1 < steps)
-      load_step<128>(stages + ((s + STAGES - 1) % STAGES) * STAGE_BYTES, words, scale_gm, minimum_gm, p,
-                     t_begin + (s + STAGES - 1) * STEP, tid);
-    cp_async_commit();
-    const unsigned char* st = stages + (s % STAGES) * STAGE_BYTES;
+    // step s landed; step s - 1 is done with its stage and the partial scores
+    const unsigned char* st = begin_step<128>(stages, words, scale_gm, minimum_gm, p, t_begin, s, steps, tid);
     const uint32_t* sw = reinterpret_cast<const uint32_t*>(st);
     const half* ssc = reinterpret_cast<const half*>(st + CODE_BYTES);
     const half* smn = reinterpret_cast<const half*>(st + CODE_BYTES + META_BYTES);
