@@ -137,7 +137,7 @@ def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
 def splits_for(per_sm: float, B: int, h: int, max_pages: int) -> int:
     """Splits per sequence for about ``per_sm`` programs per SM (64 heads per program), at most one per
     page and the library's ``MAX_SPLITS``: the launches the benchmark scripts compare."""
-    from quantmla.kernels.decode import MAX_SPLITS
+    from quantmla.kernels.splits import MAX_SPLITS
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return max(1, min(max_pages, MAX_SPLITS, math.ceil(per_sm * sms / (B * math.ceil(h / 64)))))

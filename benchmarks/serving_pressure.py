@@ -77,6 +77,8 @@ def engine(model: str, scheme: str, budget: int, max_len: int, args, max_num_seq
         kw["profiler_config"] = dict(profiler="torch", torch_profiler_dir=trace_dir, torch_profiler_with_stack=False,
                                      ignore_frontend=True, delay_iterations=args.profile_delay,
                                      max_iterations=args.profile_steps)  # fmt: skip
+    if args.step_log:  # each engine step's prefill/decode mix and time (benchmarks/engine_steps.py)
+        kw["enable_logging_iteration_details"] = True
     if scheme == "fp8-vllm":
         kw["kv_cache_dtype"] = "fp8"
     if args.gpu:
@@ -109,29 +111,47 @@ def run(model: str, scheme: str, budget: int, args) -> list[dict]:
         kv_tokens = cfg.num_gpu_blocks * cfg.block_size
         win = [0, 0] if scheme.endswith("-vllm") or scheme == "bf16" else windows(args)
         batched = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
-        rows += [dict(workload(llm, n, p, o, args), scheme=scheme, budget_mib=budget / 2**20, kv_tokens=kv_tokens,
-                      max_num_seqs=seqs, windows=win, max_num_batched_tokens=batched)
-                 for n, p, o in group]  # fmt: skip
+        for k, (n, p, o) in enumerate(group, start=1):  # a workload listed twice runs twice on one engine
+            row = dict(workload(llm, n, p, o, args, salt=k), scheme=scheme, budget_mib=budget / 2**20,
+                       kv_tokens=kv_tokens, max_num_seqs=seqs, windows=win, max_num_batched_tokens=batched,
+                       run_on_engine=sum(1 for w in group[:k] if w == (n, p, o)))  # fmt: skip
+            if args.step_log:
+                from engine_steps import summarize  # a sibling script: benchmarks/ is the script's path
+
+                steps = row.pop("step_times")
+                row["steps"] = summarize(steps)
+                name = f"steps-{scheme}-{budget >> 20}-{row['workload'].replace('+', 'p')}-{k}.json"
+                (args.out / name).write_text(json.dumps(steps))
+            rows.append(row)
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     return rows
 
 
-def workload(llm, requests: int, prompt: int, output: int, args) -> dict:
+def prompts_for(requests: int, prompt: int, salt: int) -> list[list[int]]:
+    """Token ids of ``requests`` prompts; prompts of another ``salt`` share no first token with these, so no
+    prefix-cache block (the warm-up runs salt 0, the workloads 1, 2, ...)."""
+    return [[(37 * i + 11 * t + 97 * salt) % 8000 + 100 for t in range(prompt)] for i in range(requests)]
+
+
+def workload(llm, requests: int, prompt: int, output: int, args, salt: int = 1) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=[(37 * i + 11 * t) % 8000 + 100 for t in range(prompt)])
-               for i in range(requests)]  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_for(requests, prompt, salt)]
     sp = SamplingParams(max_tokens=output, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    warm = TokensPrompt(prompt_token_ids=prompts_for(1, prompt, 0)[0])
+    llm.generate([warm], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     pre0 = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     if args.profile_dir:
         llm.start_profile()
+    if args.step_log:
+        args.step_log_handler.start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
+    steps = args.step_log_handler.stop() if args.step_log else None
     if args.profile_dir:
         llm.stop_profile()
     pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") - pre0
@@ -152,7 +172,7 @@ def workload(llm, requests: int, prompt: int, output: int, args) -> dict:
         # its TPOT, the last one only decode steps
         "ttft_s_each": [m.first_token_latency for m in sorted(ms, key=lambda m: m.first_token_ts)],
         "tpot_ms_each": [1e3 * t for _, t in sorted(zip([m.first_token_ts for m in ms], tpot, strict=True))],
-    }  # fmt: skip
+    } | ({"step_times": steps} if steps is not None else {})  # fmt: skip
 
 
 def decode_step(args) -> list[dict]:
@@ -249,6 +269,9 @@ def main() -> None:
                          "reads them); the rows say profiled")  # fmt: skip
     ap.add_argument("--profile-delay", type=int, default=100, help="engine steps before the profiled ones")
     ap.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled")
+    ap.add_argument("--step-log", action="store_true",
+                    help="record each engine step's prefill/decode mix and time (vLLM's iteration log): a summary in "
+                         "the row, the steps in OUT/steps-*.json")  # fmt: skip
     ap.add_argument("--append", action="store_true", help="add the rows to OUT/serving.json instead of replacing")
     ap.add_argument("--decode-step", action="store_true", help="also time the decode step's attention alone")
     ap.add_argument("--decode-only", action="store_true", help="only time the decode step's attention")
@@ -263,14 +286,18 @@ def main() -> None:
     import torch
 
     args.gpu = torch.cuda.is_available()
+    if args.step_log:
+        from engine_steps import StepLog
+
+        args.step_log_handler = StepLog()
     args.dummy = args.model == "deepseek-v2-lite-dummy"
     args.out.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if args.append and path.exists() else {}
     rows, steps = old.get("rows", []), old.get("decode_step", [])
 
     def save() -> None:
-        path.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows, "decode_step": steps},
-                                   indent=1))  # fmt: skip
+        meta = vars(args) | {"out": str(args.out), "step_log_handler": None}
+        path.write_text(json.dumps({"args": meta, "rows": rows, "decode_step": steps}, indent=1))
 
     if not args.decode_only:
         if args.dummy:

@@ -17,7 +17,6 @@ import argparse
 import math
 
 import torch
-import triton
 
 COMBINE_SHAPES = [(8, 16, 132), (32, 16, 33), (1, 16, 64), (128, 16, 9), (8, 128, 66), (32, 128, 17)]
 COMBINE_LAUNCHES = [(512, 8, 4), (64, 8, 1), (64, 16, 1), (64, 4, 1), (32, 8, 1), (128, 8, 2), (128, 16, 2)]
@@ -46,7 +45,7 @@ def combine_table() -> None:
 
             grid = (B, H, DC // bd)
             args = (op, lp, o, lse, H, nsp)
-            kw = dict(DC=DC, BLOCK_D=bd, BLOCK_S=triton.next_power_of_2(nsp), CHUNK=chunk, num_warps=warps)
+            kw = dict(DC=DC, BLOCK_D=bd, CHUNK=chunk, num_warps=warps)
 
             def f(grid=grid, args=args, kw=kw):
                 _combine_kernel[grid](*args, **kw)
@@ -63,7 +62,8 @@ def combine_table() -> None:
 def splits_table(schemes: list[str]) -> None:
     from decode_attention import bench, graph_of, random_store, splits_for
 
-    from quantmla.kernels.decode import default_num_splits, mla_decode
+    from quantmla.kernels.decode import mla_decode
+    from quantmla.kernels.splits import default_num_splits
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     per_sm = (1, 2, 4, 8, 16)

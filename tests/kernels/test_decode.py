@@ -165,7 +165,8 @@ def test_no_window_and_split_counts_agree():
 @pytest.mark.parametrize("block_d", [32, 64, 128])
 def test_combine_against_float64(block_d, monkeypatch):
     """The log-sum-exp merge of split partials, for several channel blocks per program: empty splits
-    (LSE -inf; the paged kernel writes zeros there), a row with no split at all, and LSEs far apart."""
+    (LSE -inf; the kernels write no output there, so whatever it holds, NaN here, is never read), a row
+    with no split at all, and LSEs far apart."""
     import quantmla.kernels.decode as dec
 
     monkeypatch.setattr(dec, "COMBINE_BLOCK_D", block_d)
@@ -174,11 +175,12 @@ def test_combine_against_float64(block_d, monkeypatch):
     op = torch.randn(B, S, H, DC, generator=g)
     lp = torch.randn(B, S, H, generator=g) * 30
     lp[0, 3:7] = float("-inf")
-    op[0, 3:7] = 0.0
+    op[0, 3:7] = float("nan")
     lp[1, :, 2] = float("-inf")  # (b=1, h=2): nothing to attend
+    op[1, :, 2] = float("nan")
     o, lse = dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32)
     w = torch.softmax(lp.double(), dim=1).nan_to_num(0.0)
-    ref = (w[..., None] * op.double()).sum(1)
+    ref = (w[..., None] * op.double().nan_to_num(0.0)).sum(1)
     ref[1, 2] = 0.0
     ref_lse = torch.logsumexp(lp.double(), dim=1)
     torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-5)
@@ -211,3 +213,19 @@ def test_left_padding_masks():
     assert (ref_o - full_o).abs().max() > 1e-3  # the masks matter
     assert (o.cpu() - ref_o.cpu()).abs().max() < 2e-2 * ref_o.abs().max()
     assert (lse.cpu() - ref_lse.cpu()).abs().max() < 2e-2 * ref_lse.abs().max()
+
+
+@pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])
+def test_planned_splits_pad_and_mixed_lengths(bits):
+    """The default launch (splits planned on the device): a batch padded with empty sequences gives its
+    real rows' output, and mixed lengths agree with the reference."""
+    lens = [700, 0, 1500, 33, 0, 0]
+    q, qr, store, bt, n_paged, window, wl = make_case(*bits, lens, [0] * len(lens), 16, page=16)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.1)
+    same = same_precision_reference(q, qr, store, bt, n_paged, 0.1, window[:, :0], torch.zeros_like(wl))
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.1, out_dtype=torch.float32)
+    check(o, lse, ref_o, ref_lse, same)
+    keep = [0, 2, 3]
+    o2, lse2 = mla_decode(q[keep], qr[keep], store, bt[keep], n_paged[keep], 0.1, out_dtype=torch.float32)
+    torch.testing.assert_close(o2, o[keep], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(lse2, lse[keep], rtol=1e-4, atol=1e-4)

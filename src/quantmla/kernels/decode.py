@@ -11,7 +11,9 @@ and dequantised once per head group (once per sequence for h <= 64). The unquant
 sequence (sinks and the recent window) form one more split: either a small BF16 buffer, read by a
 second launch (:func:`_window_kernel`), or BF16 shadow rows read in place through a slot map
 (:class:`ShadowWindow`, an engine's low-bit pages), by one more program of the same launch. A combine pass
-merges the splits by log-sum-exp.
+merges the splits by log-sum-exp. How many pages a split reads is planned on the device from the lengths
+(:mod:`quantmla.kernels.splits`), so that a CUDA graph's batch, padded with empty sequences, splits as its real
+one; the grid holds :func:`~quantmla.kernels.splits.split_capacity` splits a sequence.
 
 This module holds the BF16 paged kernel, the window kernel, the combine pass and the launcher
 :func:`mla_decode`; the fused low-bit kernel is :mod:`quantmla.kernels.decode_lowbit`.
@@ -20,7 +22,6 @@ This module holds the BF16 paged kernel, the window kernel, the combine pass and
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,14 @@ import triton
 import triton.language as tl
 
 from quantmla.kernels.layout import PagedLatentStore
+from quantmla.kernels.splits import (
+    MAX_SPLITS,
+    PLAN_BLOCK,
+    _pages_per_split,
+    _split_pages,
+    sm_count,
+    split_capacity,
+)
 from quantmla.serving.windows import SUB
 
 
@@ -74,13 +83,15 @@ def _load_bf16_rows(row_ptr, tmask, DC: tl.constexpr, PL: tl.constexpr, RPL: tl.
 
 
 @triton.jit
-def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, a3, PL: tl.constexpr):
+def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, a3, PL: tl.constexpr, active):
+    """A split's log-sum-exp (-inf when it attended nothing) and, for a split with tokens (``active``), its
+    normalised output; the combine pass reads no output behind a -inf."""
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LP + (b * NS + split) * H + heads, lse, mask=hmask)
     obase = OP + ((b * NS + split) * H + heads)[:, None] * (4 * PL) + tl.arange(0, PL)[None, :]
-    msk = hmask[:, None]
+    msk = tl.where(active, hmask, False)[:, None]
     tl.store(obase, a0 * inv[:, None], mask=msk)
     tl.store(obase + PL, a1 * inv[:, None], mask=msk)
     tl.store(obase + 2 * PL, a2 * inv[:, None], mask=msk)
@@ -97,26 +108,6 @@ def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
     a2 = tl.zeros([BLOCK_H, PL], tl.float32)
     a3 = tl.zeros([BLOCK_H, PL], tl.float32)
     return m_i, l_i, a0, a1, a2, a3
-
-
-@triton.jit
-def _split_pages(NPAGED, KSTART, b, split, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr):
-    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split. With shadow
-    windows (``WS + WR > 0``: sinks and recent window read from the shadows), ``NPAGED`` holds each
-    sequence's length and the pages cover ``[WS, n - WR)`` of a sequence longer than ``WS + WR``."""
-    if WS + WR > 0:
-        total = tl.load(NPAGED + b)
-        long_ = total > WS + WR
-        n = tl.where(long_, total - WR, 0)
-        kstart = tl.where(long_, WS, 0)
-    else:
-        n = tl.load(NPAGED + b)
-        kstart = tl.load(KSTART + b)  # paged tokens before this index are masked (left padding)
-    npages = tl.cdiv(n, PAGE)
-    per = tl.cdiv(npages, NS)
-    p0 = split * per
-    p1 = tl.minimum(p0 + per, npages)
-    return n, kstart, p0, p1
 
 
 @triton.jit
@@ -152,11 +143,11 @@ def _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: 
     return ROWS + row * D, tmask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS", "NSP"])
 def _paged_kernel(
     Q, QR, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    DT: tl.constexpr,
+    DT: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr,
 ):  # fmt: skip
     """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next."""
     b = tl.program_id(0)
@@ -166,9 +157,13 @@ def _paged_kernel(
     RPL: tl.constexpr = DR // 2
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
+    per = 0
+    if PLAN:
+        per = _pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
+    active = p0 < p1
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, tl.where(active, hmask, False), H, DC, DR, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, 0, 0)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -179,7 +174,7 @@ def _paged_kernel(
             m_i, l_i, a0, a1, a2, a3 = _attend(
                 q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
             )
-    _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL)
+    _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL, active)
 
 
 @triton.jit
@@ -219,7 +214,7 @@ def _window_kernel(
         m_i, l_i, a0, a1, a2, a3 = _attend(
             q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
         )
-    _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL)
+    _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL, hl > 0)
 
 
 @dataclass(frozen=True)
@@ -242,35 +237,37 @@ class ShadowWindow:
             raise ValueError("the shadow map must be int32 and sink + recent > 0")
 
 
-@triton.jit
-def _combine_kernel(
-    OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr
-):
+@triton.jit(do_not_specialize=["NSP"])
+def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """Merge the split partials of one (sequence, head) by log-sum-exp, for channels
     ``[BLOCK_D * program_id(2), +BLOCK_D)`` (so that small batches still fill the GPU), ``CHUNK`` splits
-    at a time."""
+    at a time with a running maximum; a split whose log-sum-exp is -inf attended nothing and its output
+    is not read (empty splits do not write one)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    sidx = tl.arange(0, BLOCK_S)
-    lse = tl.load(LP + (b * NSP + sidx) * H + h, mask=sidx < NSP, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-    tot = tl.sum(tl.exp(lse - mx_safe), 0)
+    mx = tl.full((), float("-inf"), tl.float32)
+    tot = tl.zeros((), tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, NSP, CHUNK):
         cidx = s0 + tl.arange(0, CHUNK)
-        cm = cidx < NSP
-        w = tl.exp(tl.load(LP + (b * NSP + cidx) * H + h, mask=cm, other=float("-inf")) - mx_safe)
-        o = tl.load(OP + ((b * NSP + cidx)[:, None] * H + h) * DC + d[None, :], mask=cm[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
+        lse = tl.load(LP + (b * NSP + cidx) * H + h, mask=cidx < NSP, other=float("-inf"))
+        m_new = tl.maximum(mx, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        keep = tl.exp(mx - m_safe)  # 0 while nothing was attended
+        w = tl.exp(lse - m_safe)
+        full = lse > float("-inf")
+        o = tl.load(OP + ((b * NSP + cidx)[:, None] * H + h) * DC + d[None, :], mask=full[:, None], other=0.0)
+        acc = acc * keep + tl.sum(w[:, None] * o, 0)
+        tot = tot * keep + tl.sum(w, 0)
+        mx = m_new
+    m_safe = tl.where(mx == float("-inf"), 0.0, mx)
     out = acc / tl.where(tot > 0, tot, 1.0)
     tl.store(OUT + (b * H + h) * DC + d, out.to(OUT.dtype.element_ty))
     if tl.program_id(2) == 0:
-        tl.store(LSE + b * H + h, tl.where(tot > 0, mx_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
+        tl.store(LSE + b * H + h, tl.where(tot > 0, m_safe + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf")))
 
 
-MAX_SPLITS = 256
 #: window rows per tile of the low-bit kernel's window program: its registers come on top of the page
 #: loop's (the kernel's 255 at 16 heads); ptxas for sm_90 spills 160 bytes at 16, 1356 at 64
 WINDOW_BLOCK_T = 16
@@ -278,28 +275,10 @@ COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs o
 COMBINE_CHUNK = 8  # splits per combine step
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros_i32(n: int, device: torch.device) -> torch.Tensor:
     """A read-only int32 zero vector, kept between calls (one fill kernel and allocation fewer per call)."""
     return torch.zeros(n, dtype=torch.int32, device=device)
-
-
-def default_num_splits(batch: int, head_groups: int, max_pages: int, device: torch.device) -> int:
-    """Splits per sequence: about eight programs per SM (more, shorter programs even out the last wave),
-    but for small batches (at most 32 programs per split index) two when that would leave fewer than 4
-    pages per split and four when it would leave 4-24; at most one split per page and MAX_SPLITS splits.
-    Each split costs a partial output to write and combine, so short splits lose. The H200 timings behind
-    these thresholds are in BENCHMARKS.md."""
-    programs = _sm_count(device) / (batch * head_groups)  # splits for one program per SM
-    pages8 = max_pages / math.ceil(8 * programs)
-    small = batch * head_groups <= 32
-    per_sm = 2 if small and pages8 < 4 else 4 if small and pages8 < 24 else 8
-    return max(1, min(max_pages, MAX_SPLITS, math.ceil(per_sm * programs)))
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
@@ -344,9 +323,11 @@ def mla_decode(
         shadow: the sinks and recent window read in place from shadow rows (:class:`ShadowWindow`);
             ``n_paged`` then holds each sequence's whole length, and the pages are read for
             ``[sink, n - recent)`` only. Not with ``window`` or ``paged_start``.
-        num_splits, block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
-            :func:`default_num_splits` / :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts
-            the default register cap of the paged kernel.
+        num_splits: each sequence's pages in this many splits. ``None``: the kernel plans the splits on
+            the device from the lengths (:mod:`quantmla.kernels.splits`: the default count for the sequences
+            that have pages, so a CUDA graph's batch padded with empty ones splits as the real batch).
+        block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
+            :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
@@ -385,7 +366,9 @@ def mla_decode(
         block_h = min(64, max(16, triton.next_power_of_2(H)))
     hg = triton.cdiv(H, block_h)
     maxp = block_table.shape[1]
-    ns = num_splits or default_num_splits(B, hg, maxp, dev)
+    # the grid's splits; the kernels plan how many they use from the lengths on the device, unless given
+    plan = num_splits is None
+    ns = num_splits or split_capacity(B, hg, maxp, dev, padded=capturing)
     tuned = default_launch(block_h, lay.content_bits)
     block_t = min(block_t or tuned["block_t"], lay.page_size)
     num_warps = num_warps or tuned["num_warps"]
@@ -409,6 +392,7 @@ def mla_decode(
     # the CPU interpreter's bf16/fp16 dots are not numeric: it computes the dots in fp32
     bf16_dt = tl.float32 if interpret else tl.bfloat16
     common = (block_table, n_paged, paged_start, op, lp, H, maxp, ns, nsp, scale_log2)
+    planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
     if lay.quantized:
         from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
@@ -417,12 +401,12 @@ def mla_decode(
             q_lat, q_pe, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
-            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, num_warps=num_warps, **stages, **paged_regs,
+            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, **planning, num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[grid](
             q_lat, q_pe, store.content, store.content.stride(0), *common,
-            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
@@ -459,6 +443,6 @@ def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = 
     lse = torch.empty(B, H, dtype=torch.float32, device=op.device)
     bd = min(DC, COMBINE_BLOCK_D)
     _combine_kernel[(B, H, triton.cdiv(DC, bd))](
-        op, lp, o, lse, H, nsp, DC=DC, BLOCK_D=bd, BLOCK_S=triton.next_power_of_2(nsp), CHUNK=COMBINE_CHUNK, num_warps=1
+        op, lp, o, lse, H, nsp, DC=DC, BLOCK_D=bd, CHUNK=COMBINE_CHUNK, num_warps=1
     )
     return o, lse

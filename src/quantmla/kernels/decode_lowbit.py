@@ -14,7 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _init_state, _shadow_rows, _split_pages
+from quantmla.kernels.decode import _init_state, _shadow_rows
+from quantmla.kernels.splits import _pages_per_split, _split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
 
@@ -99,19 +100,28 @@ def _row_planes(ptr, tmask, DC: tl.constexpr, PW: tl.constexpr, RPW: tl.constexp
     return c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NS", "NSP"])
 def _lowbit_kernel(
     Q, QR, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
     ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
-    WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr,
+    WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr,
+    MAXS: tl.constexpr, PLAN_B: tl.constexpr,
 ):  # fmt: skip
     """With shadow windows (``WS + WR > 0``) split index 0 of the grid reads each sequence's window rows
-    (BF16, exact in ``DT``) in place and stores its partial as split ``NS``; splits ``1..NS`` the pages."""
+    (BF16, exact in ``DT``) in place and stores its partial as split ``NS``; splits ``1..NS`` the pages. A
+    program with nothing to read (past its sequence's splits, or a window program of an empty sequence)
+    loads nothing and stores only its -inf log-sum-exp."""
     b = tl.program_id(0)
     split = tl.program_id(1) - (1 if WS + WR > 0 else 0)  # -1: the window program
     hg = tl.program_id(2)
+    per = 0
+    if PLAN:
+        nsq = tl.num_programs(0)
+        per = _pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
+    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
+    active = tl.where(split >= 0, p0 < p1, tl.load(NPAGED + b) > 0)
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
     NG: tl.constexpr = DC // G
@@ -121,7 +131,7 @@ def _lowbit_kernel(
     cp = tl.arange(0, PW)[None, :]
     rp = tl.arange(0, RPW)[None, :]
     qb = Q + (b * H + heads)[:, None] * DC + cp
-    hm = hmask[:, None]
+    hm = tl.where(active, hmask, False)[:, None]
     q0 = tl.load(qb + 0 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q1 = tl.load(qb + 1 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q2 = tl.load(qb + 2 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
@@ -140,7 +150,6 @@ def _lowbit_kernel(
     _, _, a4, a5, a6, a7 = _init_state(BLOCK_H, PW)  # eight output planes
 
     if split >= 0:
-        n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, PAGE, WS, WR)
         for p in range(p0, p1):
             page = tl.load(BT + b * MAXP + p).to(tl.int64)
             for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -195,7 +204,7 @@ def _lowbit_kernel(
     inv = (1.0 / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LP + (b * NSP + split) * H + heads, lse, mask=hmask)
-    ob = OP + ((b * NSP + split) * H + heads)[:, None] * DC + cp
+    ob = OP + ((b * NSP + split) * H + heads)[:, None] * DC + cp  # hm: not for a program without tokens
     tl.store(ob + 0 * PW, a0 * inv, mask=hm)
     tl.store(ob + 1 * PW, a1 * inv, mask=hm)
     tl.store(ob + 2 * PW, a2 * inv, mask=hm)

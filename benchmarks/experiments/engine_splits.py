@@ -1,0 +1,117 @@
+"""The decode kernel as vLLM runs it, stand-alone: a CUDA graph of one call per layer (27 layers, each its
+own pages, so no layer finds its pages in L2), a batch padded to the captured size with empty requests,
+the block table as wide as ``max_model_len``, C4R4 with the 4 + 128 windows read in place.
+
+    PYTHONPATH=src python benchmarks/experiments/engine_splits.py [--json F]
+
+For each case (real requests x context, graph batch, table width) it times ``mla_decode`` with the splits
+planned on the device (the default: ``splits_default``) and at fixed counts (``splits_N``; before the plan,
+the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the default
+call on one layer repeated (what the stand-alone serving benchmark measured). Prints a markdown table of µs
+per call (median of ``--repeats`` replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from quantmla.kernels.decode import ShadowWindow, mla_decode
+from quantmla.kernels.splits import default_num_splits, planned_pages_per_split, split_capacity
+from quantmla.kernels.write import write_records
+from quantmla.serving.kernel_pages import KernelPages
+from quantmla.serving.records import RecordLayout
+from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+
+CASES = [(5, 32768, 8, 33792), (5, 32768, 5, 32768), (8, 32768, 8, 33792), (3, 32768, 4, 33792),
+         (48, 4096, 48, 6144), (40, 4096, 48, 6144), (6, 12288, 8, 14336)]  # fmt: skip
+SPLITS = [0, 22, 33, 44, 53, 66, 88]
+
+
+def graph_time(calls, repeats: int) -> float:
+    """Median µs of one call in a CUDA graph of ``calls`` (a list of closures), replayed ``repeats`` times."""
+    for fn in calls[:3]:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ts = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(ts)
+
+
+def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    dev, bs, h = "cuda", 64, 16
+    lay = RecordLayout("c4r4")
+    width = -(-max_len // bs)
+    pages = -(-length // bs)
+    table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+    table[:real, :pages] = torch.arange(real * pages, device=dev, dtype=torch.int32).reshape(real, pages)
+    lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+    lens[:real] = length
+    q = (torch.randn(batch, h, 576, device=dev) / 8).bfloat16()
+    wcfg = WindowConfig(4, 128)
+    stores = []
+    for _ in range(layers):
+        pg = torch.empty(real * pages + 1, bs, lay.record_bytes, dtype=torch.uint8, device=dev)
+        c = torch.randn(real * pages * bs, 512, device=dev)
+        r = torch.randn(real * pages * bs, 64, device=dev)
+        pool = WindowPool(wcfg, pg.shape[0] * bs, batch, dev)
+        pool.plan(table.cpu().numpy(), lens.cpu().numpy(), lens.cpu().numpy(), bs)
+        shadow = ShadowRows(wcfg, batch, 576, torch.bfloat16, dev)
+        write_records(lay, pg, torch.arange(real * pages * bs, device=dev), c, r, shadow_rows=shadow.rows,
+                      shadow_map=pool.map)  # fmt: skip
+        del c, r
+        stores.append((KernelPages(pg, lay), ShadowWindow(shadow.rows, pool.map, 4, 128), pg, pool, shadow))
+    cap = split_capacity(batch, 1, width, torch.device(dev), padded=True)
+    row = {"real": real, "L": length, "graph_batch": batch, "table_pages": width,
+           "old_default_splits": default_num_splits(batch, 1, width, torch.device(dev)), "grid_splits": cap,
+           "planned_pages_per_split": planned_pages_per_split(lens, 1, cap, bs, 4, 128)}  # fmt: skip
+    for ns in SPLITS:
+        calls = [lambda s=s, ns=ns: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
+                                               num_splits=ns or None) for s in stores]  # fmt: skip
+        row[f"splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
+    one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1])]
+    row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
+    del stores, one, calls
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    rows = []
+    for real, length, batch, max_len in CASES:
+        rows.append(case(real, length, batch, max_len, args.layers, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    cols = [k for k in rows[0] if k.endswith("_us")]
+    print("| real x L | graph batch | table pages | old default splits | grid splits | planned pages a split | "
+          + " | ".join(cols) + " |")  # fmt: skip
+    print("|---" * (6 + len(cols)) + "|")
+    for r in rows:
+        print(f"| {r['real']} x {r['L']} | {r['graph_batch']} | {r['table_pages']} | {r['old_default_splits']} | "
+              f"{r['grid_splits']} | {r['planned_pages_per_split']} | "
+              + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

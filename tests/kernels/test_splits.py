@@ -1,0 +1,39 @@
+"""The decode kernels' split plan (:mod:`quantmla.kernels.splits`): the device's figure against the host's
+(CPU: Triton's interpreter)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(
+    "lens,sink,recent",
+    [([40000] * 5 + [0] * 3, 0, 0), ([40000] * 5, 0, 0), ([33000] * 5 + [0] * 3, 4, 128), ([100, 0, 9000, 3], 4, 128),
+     ([0, 0], 0, 0), ([130, 131, 132, 133], 4, 128), ([5000] * 200, 0, 0), ([64 * 300] + [64] * 7, 0, 0)],
+)  # fmt: skip
+def test_device_split_plan_is_the_host_plan(lens, sink, recent):
+    """The kernels plan their splits on the device from the lengths: the same figure as the host's
+    :func:`pages_per_split`, which plans for the sequences that have pages (a padded batch plans as its real
+    one) and spreads the batch's pages over them."""
+    from quantmla.kernels.splits import pages_per_split, planned_pages_per_split, split_capacity
+
+    dev = torch.device(DEV)
+    n = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    cap = split_capacity(len(lens), 1, max(1, -(-max(lens) // 64)), dev, padded=True)
+    per = planned_pages_per_split(n, 1, cap, 64, sink, recent)
+    assert per == pages_per_split(lens, 1, cap, 64, dev, sink, recent)
+    real = [x for x in lens if x > sink + recent] if sink + recent else [x for x in lens if x]
+    if real and len(set(real)) == 1:  # uniform: the real batch's default splits, padding or not
+        pages = -(-(real[0] - recent if sink + recent else real[0]) // 64)
+        ns = min(default_num_splits_for(len(real), pages, dev), cap)
+        assert per == -(-pages // ns)
+    longest = max([-(-(x - recent if sink + recent else x) // 64) for x in real], default=0)
+    assert -(-longest // per) <= cap  # never more splits than the grid holds
+
+
+def default_num_splits_for(batch, pages, dev):
+    from quantmla.kernels.splits import default_num_splits
+
+    return default_num_splits(batch, 1, pages, dev)
