@@ -1,6 +1,6 @@
 """The decode kernel as vLLM runs it, stand-alone: a CUDA graph of one call per layer (27 layers, each its
 own pages, so no layer finds its pages in L2), a batch padded to the captured size with empty requests,
-the block table as wide as ``max_model_len``, C4R4 with the 4 + 128 windows read in place.
+the block table as wide as ``max_model_len``, C4R4 (``--scheme c2r4``: C2R4) with the 4 + 128 windows read in place.
 
     PYTHONPATH=src python benchmarks/experiments/engine_splits.py [--json F]
 
@@ -51,10 +51,10 @@ def graph_time(calls, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int) -> dict:
+def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4") -> dict:
     torch.manual_seed(0)
     dev, bs, h = "cuda", 64, 16
-    lay = RecordLayout("c4r4")
+    lay = RecordLayout(scheme)
     width = -(-max_len // bs)
     pages = -(-length // bs)
     table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
@@ -76,7 +76,7 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         del c, r
         stores.append((KernelPages(pg, lay), ShadowWindow(shadow.rows, pool.map, 4, 128), pg, pool, shadow))
     cap = split_capacity(batch, 1, width, torch.device(dev), padded=True)
-    row = {"real": real, "L": length, "graph_batch": batch, "table_pages": width,
+    row = {"scheme": scheme, "real": real, "L": length, "graph_batch": batch, "table_pages": width,
            "old_default_splits": default_num_splits(batch, 1, width, torch.device(dev)), "grid_splits": cap,
            "planned_pages_per_split": planned_pages_per_split(lens, 1, cap, bs, 4, 128)}  # fmt: skip
     for ns in SPLITS:
@@ -95,10 +95,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default="")
+    ap.add_argument("--scheme", default="c4r4", choices=["c4r4", "c2r4"])
+    ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
     args = ap.parse_args()
     rows = []
-    for real, length, batch, max_len in CASES:
-        rows.append(case(real, length, batch, max_len, args.layers, args.repeats))
+    cases = CASES
+    if args.cases:
+        cases = [(int(c.split("x")[0]), int(c.split("x")[1].split("/")[0]), int(c.split("/")[1]), int(c.split("/")[2]))
+                 for c in args.cases.split(",")]  # fmt: skip
+    for real, length, batch, max_len in cases:
+        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme))
         print(json.dumps(rows[-1]), flush=True)
     cols = [k for k in rows[0] if k.endswith("_us")]
     print("| real x L | graph batch | table pages | old default splits | grid splits | planned pages a split | "
