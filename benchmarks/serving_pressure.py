@@ -146,12 +146,16 @@ def workload(llm, requests: int, prompt: int, output: int, args, salt: int = 1) 
     pre0 = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     if args.profile_dir:
         llm.start_profile()
-    if args.step_log:
-        args.step_log_handler.start()
+    log = None
+    if args.step_log:  # a sibling script: benchmarks/ is the script's path
+        from engine_steps import StepLog
+
+        log = StepLog()
+        log.start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    steps = args.step_log_handler.stop() if args.step_log else None
+    steps = log.stop() if log else None
     if args.profile_dir:
         llm.stop_profile()
     pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") - pre0
@@ -286,17 +290,13 @@ def main() -> None:
     import torch
 
     args.gpu = torch.cuda.is_available()
-    if args.step_log:
-        from engine_steps import StepLog
-
-        args.step_log_handler = StepLog()
     args.dummy = args.model == "deepseek-v2-lite-dummy"
     args.out.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if args.append and path.exists() else {}
     rows, steps = old.get("rows", []), old.get("decode_step", [])
 
     def save() -> None:
-        meta = vars(args) | {"out": str(args.out), "step_log_handler": None}
+        meta = vars(args) | {"out": str(args.out)}
         path.write_text(json.dumps({"args": meta, "rows": rows, "decode_step": steps}, indent=1))
 
     if not args.decode_only:

@@ -17,7 +17,7 @@ def test_device_split_plan_is_the_host_plan(lens, sink, recent):
     """The kernels plan their splits on the device from the lengths: the same figure as the host's
     :func:`pages_per_split`, which plans for the sequences that have pages (a padded batch plans as its real
     one) and spreads the batch's pages over them."""
-    from quantmla.kernels.splits import pages_per_split, planned_pages_per_split, split_capacity
+    from quantmla.kernels.splits import default_num_splits, pages_per_split, planned_pages_per_split, split_capacity
 
     dev = torch.device(DEV)
     n = torch.tensor(lens, dtype=torch.int32, device=DEV)
@@ -27,13 +27,7 @@ def test_device_split_plan_is_the_host_plan(lens, sink, recent):
     real = [x for x in lens if x > sink + recent] if sink + recent else [x for x in lens if x]
     if real and len(set(real)) == 1:  # uniform: the real batch's default splits, padding or not
         pages = -(-(real[0] - recent if sink + recent else real[0]) // 64)
-        ns = min(default_num_splits_for(len(real), pages, dev), cap)
+        ns = min(default_num_splits(len(real), 1, pages, dev), cap)
         assert per == -(-pages // ns)
     longest = max([-(-(x - recent if sink + recent else x) // 64) for x in real], default=0)
     assert -(-longest // per) <= cap  # never more splits than the grid holds
-
-
-def default_num_splits_for(batch, pages, dev):
-    from quantmla.kernels.splits import default_num_splits
-
-    return default_num_splits(batch, 1, pages, dev)

@@ -62,6 +62,12 @@ __device__ __forceinline__ void load_step(unsigned char* stage, const uint32_t* 
   cp_async16(stage + CODE_BYTES + 16 * c, src);
 }
 
+// this CTA's tokens: its first (t_begin) and how many whole steps of STEP tokens it streams
+__device__ __forceinline__ int cta_steps(int tokens, int per_cta, int& t_begin) {
+  t_begin = blockIdx.x * per_cta;
+  return max(0, (min(tokens, t_begin + per_cta) - t_begin) / STEP);
+}
+
 // the ring's first STAGES - 1 steps (a group committed for each, copied or not)
 template <int THREADS>
 __device__ __forceinline__ void prefetch_steps(unsigned char* stages, const uint32_t* words, const half* scale_gm,
@@ -247,8 +253,8 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
   float* red = reinterpret_cast<float*>(smem);  // [WARPS][32 tokens][16 heads]
   unsigned char* stages = smem + RED_BYTES<WARPS>;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
-  const int steps = max(0, (t_end - t_begin) / STEP);
+  int t_begin;
+  const int steps = cta_steps(tokens, per_cta, t_begin);
   prefetch_steps<THREADS>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WARP_TILES][2][2];
   load_queries<WARPS>(qf, q, warp, g, t);
@@ -294,8 +300,8 @@ __global__ void __launch_bounds__(128, 2)
   unsigned char* pub = smem + RED_BYTES<4>;  // [2 steps][32 tokens][16 heads] fp16
   unsigned char* stages = pub + PUB_BYTES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
-  const int steps = max(0, (t_end - t_begin) / STEP);
+  int t_begin;
+  const int steps = cta_steps(tokens, per_cta, t_begin);
   prefetch_steps<128>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WT][2][2];
   load_queries<4>(qf, q, warp, g, t);
@@ -344,8 +350,8 @@ __global__ void __launch_bounds__(128, 2)
   unsigned char* pt_smem = smem + RED_BYTES<4>;
   unsigned char* stages = pt_smem + PT_BYTES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int t_begin = blockIdx.x * per_cta, t_end = min(tokens, t_begin + per_cta);
-  const int steps = max(0, (t_end - t_begin) / STEP);
+  int t_begin;
+  const int steps = cta_steps(tokens, per_cta, t_begin);
   prefetch_steps<128>(stages, words, scale_gm, minimum_gm, p, t_begin, steps, tid);
   uint32_t qf[WT][2][2];
   load_queries<4>(qf, q, warp, g, t);
