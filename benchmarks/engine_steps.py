@@ -10,8 +10,10 @@ line here) between :meth:`StepLog.start` and :meth:`StepLog.stop` and keeps thos
 from __future__ import annotations
 
 import logging
+import os
 import re
 import statistics
+from pathlib import Path
 
 LOGGER = "vllm.v1.metrics.loggers"  # its stat logger (vLLM re-configures the "vllm" logger itself)
 LINE = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, (\d+) generation requests, "
@@ -69,3 +71,10 @@ def summarize(steps: list[tuple[int, int, int, float]]) -> dict:
         "decode_ms": sum(s[3] for s in dec),
         "decode_median_ms_by_batch": {str(b): statistics.median(v) for b, v in sorted(by_batch.items())},
     }
+
+
+def jit_cache() -> dict[str, str]:
+    """Triton's compiled kernels on this machine, cache entry -> kernel name (the engine's processes share the
+    cache directory: ``TRITON_CACHE_DIR`` or ``~/.triton/cache``; inductor's kernels compile through it too)."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return {f.parent.name: f.stem for f in root.glob("*/*.json") if not f.name.startswith("__grp__")}

@@ -146,16 +146,18 @@ def workload(llm, requests: int, prompt: int, output: int, args, salt: int = 1) 
     pre0 = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     if args.profile_dir:
         llm.start_profile()
-    log = None
-    if args.step_log:  # a sibling script: benchmarks/ is the script's path
-        from engine_steps import StepLog
+    from engine_steps import StepLog, jit_cache  # a sibling script: benchmarks/ is the script's path
 
+    log = None
+    if args.step_log:
         log = StepLog()
         log.start()
+    compiled = jit_cache()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     steps = log.stop() if log else None
+    jit = sorted(name for key, name in jit_cache().items() if key not in compiled)
     if args.profile_dir:
         llm.stop_profile()
     pre = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") - pre0
@@ -172,6 +174,7 @@ def workload(llm, requests: int, prompt: int, output: int, args, salt: int = 1) 
         "preemptions": int(pre), "seconds": wall, "output_tok_s": n_out / wall,
         "ttft_median_s": statistics.median(m.first_token_latency for m in ms),
         "tpot_median_ms": 1e3 * statistics.median(tpot), "profiled": bool(args.profile_dir),
+        "jit_compiled_in_run": jit,  # Triton kernels compiled while timed (a cold path the warm-up missed)
         # per request, in order of first token: whoever decodes while others still prefill has those steps in
         # its TPOT, the last one only decode steps
         "ttft_s_each": [m.first_token_latency for m in sorted(ms, key=lambda m: m.first_token_ts)],

@@ -5,10 +5,12 @@ the block table as wide as ``max_model_len``, C4R4 (``--scheme c2r4``: C2R4) wit
     PYTHONPATH=src python benchmarks/experiments/engine_splits.py [--json F]
 
 For each case (real requests x context, graph batch, table width) it times ``mla_decode`` with the splits
-planned on the device (the default: ``splits_default``) and at fixed counts (``splits_N``; before the plan,
-the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the default
-call on one layer repeated (what the stand-alone serving benchmark measured). Prints a markdown table of µs
-per call (median of ``--repeats`` replays).
+planned on the device in a grid sized for the batches vLLM replays in that graph (``min_batch`` one past the
+next smaller captured size: ``splits_default``, what the plugin runs) and for any batch from half the graph's
+up (``splits_half``, the grid before the plugin passed ``min_batch``), at fixed counts (``splits_N``; before
+the plan, the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the
+default call on one layer repeated (what the stand-alone serving benchmark measured). Prints a markdown table
+of µs per call (median of ``--repeats`` replays).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from quantmla.kernels.splits import default_num_splits, planned_pages_per_split,
 from quantmla.kernels.write import write_records
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.records import RecordLayout
+from quantmla.serving.vllm.plugin_state import graph_min_batch
 from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
 CASES = [(5, 32768, 8, 33792), (5, 32768, 5, 32768), (8, 32768, 8, 33792), (3, 32768, 4, 33792),
          (48, 4096, 48, 6144), (40, 4096, 48, 6144), (6, 12288, 8, 14336)]  # fmt: skip
 SPLITS = [0, 22, 33, 44, 53, 66, 88]
+VLLM_SIZES = [1, 2, 4, *range(8, 256, 8)]  # vLLM 0.26's default decode capture sizes (to max_num_seqs x 2)
 
 
 def graph_time(calls, repeats: int) -> float:
@@ -75,15 +79,21 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
                       shadow_map=pool.map)  # fmt: skip
         del c, r
         stores.append((KernelPages(pg, lay), ShadowWindow(shadow.rows, pool.map, 4, 128), pg, pool, shadow))
-    cap = split_capacity(batch, 1, width, torch.device(dev), padded=True)
+    lo = graph_min_batch(batch, VLLM_SIZES)
+    cap = split_capacity(batch, 1, width, torch.device(dev), min_batch=lo)
     row = {"scheme": scheme, "real": real, "L": length, "graph_batch": batch, "table_pages": width,
-           "old_default_splits": default_num_splits(batch, 1, width, torch.device(dev)), "grid_splits": cap,
+           "old_default_splits": default_num_splits(batch, 1, width, torch.device(dev)), "min_batch": lo,
+           "grid_splits": cap, "grid_splits_half": split_capacity(batch, 1, width, torch.device(dev), -(-batch // 2)),
            "planned_pages_per_split": planned_pages_per_split(lens, 1, cap, bs, 4, 128)}  # fmt: skip
-    for ns in SPLITS:
-        calls = [lambda s=s, ns=ns: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
-                                               num_splits=ns or None) for s in stores]  # fmt: skip
+    for ns in ["half", *SPLITS]:
+        fixed = ns if isinstance(ns, int) and ns else None
+        mb = None if ns == "half" else lo
+        calls = [lambda s=s, n=fixed, mb=mb: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1,
+                                                        shadow=s[1], num_splits=n, min_batch=mb)
+                 for s in stores]  # fmt: skip
         row[f"splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
-    one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1])]
+    one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
+                                          min_batch=lo)]  # fmt: skip
     row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
     del stores, one, calls
     torch.cuda.empty_cache()
@@ -107,12 +117,12 @@ def main() -> None:
         rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme))
         print(json.dumps(rows[-1]), flush=True)
     cols = [k for k in rows[0] if k.endswith("_us")]
-    print("| real x L | graph batch | table pages | old default splits | grid splits | planned pages a split | "
+    print("| real x L | graph batch | table pages | old default splits | grid splits (half) | planned pages a split | "
           + " | ".join(cols) + " |")  # fmt: skip
     print("|---" * (6 + len(cols)) + "|")
     for r in rows:
         print(f"| {r['real']} x {r['L']} | {r['graph_batch']} | {r['table_pages']} | {r['old_default_splits']} | "
-              f"{r['grid_splits']} | {r['planned_pages_per_split']} | "
+              f"{r['grid_splits']} ({r['grid_splits_half']}) | {r['planned_pages_per_split']} | "
               + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

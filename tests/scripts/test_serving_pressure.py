@@ -64,3 +64,17 @@ def test_step_log_keeps_vllms_iteration_lines_while_started():
     s = es.summarize(steps)
     assert (s["steps"], s["prefill_steps"], s["prefill_ms"], s["prefill_tokens"]) == (4, 2, 49.37, 16448)
     assert (s["decode_steps"], s["decode_ms"], s["decode_median_ms_by_batch"]) == (2, 14.0, {"5": 7.0})
+
+
+def test_jit_cache_names_the_kernels_in_the_triton_cache_dir(tmp_path, monkeypatch):
+    """A run's ``jit_compiled_in_run`` is the cache entries new after it: each entry's kernel name, group
+    files left out."""
+    es = load_script("benchmarks/engine_steps.py")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    (tmp_path / "A1").mkdir()
+    (tmp_path / "A1" / "_lowbit_kernel.json").write_text("{}")
+    (tmp_path / "A1" / "_lowbit_kernel.cubin").write_text("")
+    (tmp_path / "B2").mkdir()
+    (tmp_path / "B2" / "__grp___write_kernel.json").write_text("{}")
+    (tmp_path / "B2" / "_write_kernel.json").write_text("{}")
+    assert es.jit_cache() == {"A1": "_lowbit_kernel", "B2": "_write_kernel"}

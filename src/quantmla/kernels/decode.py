@@ -310,6 +310,7 @@ def mla_decode(
     paged_start: torch.Tensor | None = None,
     window_skip: torch.Tensor | None = None,
     shadow: ShadowWindow | None = None,
+    min_batch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -326,6 +327,10 @@ def mla_decode(
         num_splits: each sequence's pages in this many splits. ``None``: the kernel plans the splits on
             the device from the lengths (:mod:`quantmla.kernels.splits`: the default count for the sequences
             that have pages, so a CUDA graph's batch padded with empty ones splits as the real batch).
+        min_batch: while a CUDA graph is captured, the fewest real sequences it will replay (the rest of its
+            ``B`` padded empty; vLLM: one more than the next smaller captured size). The grid holds the most
+            splits any batch from there to ``B`` plans (:func:`~quantmla.kernels.splits.split_capacity`);
+            ``None`` under capture takes half of ``B``. Ignored outside a capture, where ``B`` is the batch.
         block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
             :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
     Returns:
@@ -368,7 +373,8 @@ def mla_decode(
     maxp = block_table.shape[1]
     # the grid's splits; the kernels plan how many they use from the lengths on the device, unless given
     plan = num_splits is None
-    ns = num_splits or split_capacity(B, hg, maxp, dev, padded=capturing)
+    lo = (min_batch or -(-B // 2)) if capturing else None  # a graph's batch: its tail may be padding
+    ns = num_splits or split_capacity(B, hg, maxp, dev, min_batch=lo)
     tuned = default_launch(block_h, lay.content_bits)
     block_t = min(block_t or tuned["block_t"], lay.page_size)
     num_warps = num_warps or tuned["num_warps"]

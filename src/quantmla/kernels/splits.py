@@ -97,12 +97,17 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
     return max(1, min(max_pages, MAX_SPLITS, -(-per_sm * sms // bh)))
 
 
-def split_capacity(batch: int, head_groups: int, max_pages: int, device: torch.device, padded: bool) -> int:
-    """Split programs a sequence in the grid: :func:`default_num_splits` for ``batch``, or with ``padded``
-    (a CUDA graph's batch, whose tail may be empty sequences) the most it gives for any batch from half of
-    ``batch`` up (vLLM captures 1, 2, 4, 8 and then every 8). The kernels plan the splits they use on the
-    device from the sequences that have pages (:func:`_pages_per_split`), at most this many."""
-    lo = -(-batch // 2) if padded else batch
+def split_capacity(batch: int, head_groups: int, max_pages: int, device: torch.device,
+                   min_batch: int | None = None) -> int:  # fmt: skip
+    """Split programs a sequence in the grid: :func:`default_num_splits` for ``batch``, or with ``min_batch``
+    (a CUDA graph's batch, whose tail may be empty sequences: it replays any batch from ``min_batch`` real
+    sequences up) the most it gives for any batch in ``[min_batch, batch]``. vLLM replays a batch in the
+    smallest graph captured for at least as many, so that range starts one past the next smaller captured
+    size (41-48 for the graph of 48). The kernels plan the splits they use on the device from the sequences
+    that have pages (:func:`_pages_per_split`), at most this many."""
+    lo = batch if min_batch is None else min_batch
+    if not 1 <= lo <= batch:
+        raise ValueError(f"min_batch={min_batch}: must be 1..{batch} (the graph's batch)")
     return max(default_num_splits(b, head_groups, max_pages, device) for b in range(lo, batch + 1))
 
 

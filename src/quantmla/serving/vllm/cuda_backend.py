@@ -44,7 +44,13 @@ from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.records import RecordLayout
-from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry
+from quantmla.serving.vllm.plugin_state import (
+    capture_sizes,
+    current_selection,
+    graph_min_batch,
+    log_once,
+    mla_geometry,
+)
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -109,6 +115,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
                       "quantmla's Triton kernels on the pages in place" if self.kernel
                       else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
         self._pages: tuple[int, KernelPages] | None = None
+        self.capture_sizes = capture_sizes()  # a decode graph's batch replays the batches above the next size down
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:
@@ -171,8 +178,15 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
             cfg = self.windows.cfg
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
+        lo = None
+        if torch.cuda.is_current_stream_capturing():  # the graph replays batches from `lo` real requests up
+            lo = graph_min_batch(dec.block_table.shape[0], self.capture_sizes)
+            log_once(
+                "quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s)",
+                "from its capture sizes" if lo is not None else "capture sizes unknown: half its batch up",
+            )
         return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
-                          shadow=shadow)  # fmt: skip
+                          shadow=shadow, min_batch=lo)  # fmt: skip
 
 
 def patch_kv_cache_spec() -> None:

@@ -57,3 +57,20 @@ def mla_geometry() -> tuple[int, int]:
     if hf is None or not hasattr(hf, "kv_lora_rank"):
         return 512, 64
     return int(hf.kv_lora_rank), int(hf.qk_rope_head_dim)
+
+
+def capture_sizes() -> list[int] | None:
+    """The batch sizes vLLM captures CUDA graphs for (``compilation_config.cudagraph_capture_sizes``; one
+    decode token a request, so requests), or ``None`` outside an engine's config."""
+    comp = getattr(_config(), "compilation_config", None)
+    sizes = getattr(comp, "cudagraph_capture_sizes", None)
+    return sorted(int(s) for s in sizes) if sizes else None
+
+
+def graph_min_batch(batch: int, sizes: list[int] | None) -> int | None:
+    """The fewest real requests vLLM replays in the decode graph captured for ``batch``: it pads a batch to
+    the smallest captured size that holds it, so one more than the next smaller captured size (41 for the
+    graph of 48 under the default sizes 1, 2, 4, 8, 16, ...). ``None`` without the sizes."""
+    if sizes is None:
+        return None
+    return max((s for s in sizes if s < batch), default=0) + 1
