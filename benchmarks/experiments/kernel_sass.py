@@ -89,23 +89,33 @@ def report(kernel) -> dict:
             "shared_bytes": kernel.metadata.shared, "instructions": sum(mix.values()), "mix": mix}  # fmt: skip
 
 
+def _signature(fn, types: dict) -> dict:
+    """Every argument of ``fn`` in order: its type from ``types``, else ``i32``."""
+    return {n: types.get(n, "i32") for n in fn.arg_names}
+
+
 def lowbit(bits: int, block_h: int, warps: int, stages: int, dc: int = 512, maxnreg: int | None = None):
     from quantmla.kernels.decode_lowbit import _lowbit_kernel
+    from quantmla.kernels.splits import MAX_SPLITS, PLAN_BLOCK
 
-    sig = dict(Q="*bf16", QR="*bf16", CW="*i32" if bits == 4 else "*i16", CSM="*i32", RW="*i16", RSM="*i32",
-               CW_PS="i32", CSM_PS="i32", RW_PS="i32", RSM_PS="i32", BT="*i32", NPAGED="*i32", KSTART="*i32",
-               OP="*fp32", LP="*fp32", H="i32", MAXP="i32", NS="i32",
-               NSP="i32", scale_log2="fp32")  # fmt: skip
-    consts = dict(DC=dc, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, CBITS=bits, ASM_OK=True, DT=tl.float16)
+    types = dict(Q="*bf16", QR="*bf16", CW="*i32" if bits == 4 else "*i16", CSM="*i32", RW="*i16", RSM="*i32",
+                 BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32", LP="*fp32", NUSED="*i32", scale_log2="fp32",
+                 ROWS="*bf16", MAP="*i32", TRASH="i64")  # fmt: skip
+    consts = dict(DC=dc, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, CBITS=bits, ASM_OK=True, DT=tl.float16,
+                  WS=0, WR=0, SUB=4, WBLOCK_T=16, PLAN=True, SMS=132, MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)  # fmt: skip
+    sig = {n: t for n, t in _signature(_lowbit_kernel, types).items() if n not in consts}
     return compile_sm90(_lowbit_kernel, sig, consts, warps, stages, maxnreg)
 
 
 def bf16(block_h: int, warps: int, stages: int, dc: int = 512, maxnreg: int | None = None):
     from quantmla.kernels.decode import _paged_kernel
+    from quantmla.kernels.splits import MAX_SPLITS, PLAN_BLOCK
 
-    sig = dict(Q="*bf16", QR="*bf16", KV="*bf16", KV_PS="i32", BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32",
-               LP="*fp32", H="i32", MAXP="i32", NS="i32", NSP="i32", scale_log2="fp32")  # fmt: skip
-    consts = dict(DC=dc, DR=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, DT=tl.bfloat16)
+    types = dict(Q="*bf16", QR="*bf16", KV="*bf16", BT="*i32", NPAGED="*i32", KSTART="*i32", OP="*fp32", LP="*fp32",
+                 NUSED="*i32", scale_log2="fp32")  # fmt: skip
+    consts = dict(DC=dc, DR=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, DT=tl.bfloat16, PLAN=True, SMS=132,
+                  MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)  # fmt: skip
+    sig = {n: t for n, t in _signature(_paged_kernel, types).items() if n not in consts}
     return compile_sm90(_paged_kernel, sig, consts, warps, stages, maxnreg)
 
 

@@ -44,8 +44,8 @@ def combine_table() -> None:
             lse = torch.empty(B, H, device="cuda")
 
             grid = (B, H, DC // bd)
-            args = (op, lp, o, lse, H, nsp)
-            kw = dict(DC=DC, BLOCK_D=bd, CHUNK=chunk, num_warps=warps)
+            args = (op, lp, o, lse, lp, H, nsp)  # every split read (no used counts)
+            kw = dict(DC=DC, BLOCK_D=bd, CHUNK=chunk, USED=False, WIN=False, num_warps=warps)
 
             def f(grid=grid, args=args, kw=kw):
                 _combine_kernel[grid](*args, **kw)

@@ -187,6 +187,52 @@ def test_combine_against_float64(block_d, monkeypatch):
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [False, True])
+def test_combine_reads_only_the_used_splits(window):
+    """With per-sequence counts of splits that have tokens (a CUDA graph's grid holds more), the merge reads
+    splits ``[0, used[b])`` and, with a window, the last slot; the slots between hold finite partials here
+    that would change the result if they were read."""
+    import quantmla.kernels.decode as dec
+
+    g = torch.Generator().manual_seed(5)
+    B, S, H, DC = 4, 21, 3, 64
+    op = torch.randn(B, S, H, DC, generator=g)
+    lp = torch.randn(B, S, H, generator=g) * 3
+    used = torch.tensor([0, 1, 9, 20 - window], dtype=torch.int32)
+    keep = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        keep[b, : int(used[b])] = True
+        if window:
+            keep[b, S - 1] = True
+    lk = lp.double().masked_fill(~keep[..., None], float("-inf"))
+    w = torch.softmax(lk, dim=1).nan_to_num(0.0)
+    ref = (w[..., None] * op.double()).sum(1)
+    ref_lse = torch.logsumexp(lk, dim=1)
+    o, lse = dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32, used=used.to(DEV), window=window)
+    torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+    if not window:
+        assert torch.isinf(lse[0]).all() and (o[0] == 0).all()  # no split: nothing attended
+
+
+@pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])
+def test_queries_read_in_place_with_their_strides(bits):
+    """vLLM hands the decode a transposed product ``[B, H, d_c]`` (heads outermost in memory) and a split
+    of ``[B, H, d_c + d_r]``: the kernels read them with their strides and give the contiguous queries'
+    result, windows included."""
+    q, qr, store, bt, n_paged, window, wl = make_case(*bits, [300, 77, 0], [5, 0, 3], 16, page=16, seed=4)
+    B, H, DC = q.shape
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # strides (DC, B * DC, 1)
+    joint = torch.cat([q, qr], dim=-1)
+    q_s, qr_s = joint.split([DC, 64], dim=-1)  # strides (H * (DC + 64), DC + 64, 1)
+    assert not q_t.is_contiguous() and not qr_s.is_contiguous()
+    want = mla_decode(q, qr, store, bt, n_paged, 0.1, window, wl, out_dtype=torch.float32)
+    for qa, qb in ((q_t, qr_s), (q_s, qr_s)):
+        got = mla_decode(qa, qb, store, bt, n_paged, 0.1, window, wl, out_dtype=torch.float32)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 def test_launcher_rejects_bad_inputs():
     q, qr, store, bt, n_paged, window, wl = make_case(4, 4, [10], [2], 4)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 POINTERS = {"Q": "*bf16", "QR": "*bf16", "CW": "*i32", "CSM": "*i32", "RW": "*i16", "RSM": "*i32", "BT": "*i32",
-            "NPAGED": "*i32", "KSTART": "*i32", "OP": "*fp32", "LP": "*fp32", "ROWS": "*bf16", "MAP": "*i32",
-            "scale_log2": "fp32", "TRASH": "i64", "P32": "*i32", "P16": "*i16", "PH": "*fp16", "SLOTS": "*i64",
-            "WANT": "*i8", "SROWS": "*i16", "SMAP": "*i32", "OUT": "*i16"}  # fmt: skip
+            "NPAGED": "*i32", "KSTART": "*i32", "OP": "*fp32", "LP": "*fp32", "NUSED": "*i32", "ROWS": "*bf16",
+            "MAP": "*i32", "scale_log2": "fp32", "TRASH": "i64", "P32": "*i32", "P16": "*i16", "PH": "*fp16",
+            "SLOTS": "*i64", "WANT": "*i8", "SROWS": "*i16", "SMAP": "*i32", "OUT": "*i16"}  # fmt: skip
 
 
 def _compile_all() -> None:

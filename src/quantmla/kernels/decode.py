@@ -99,6 +99,16 @@ def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, 
 
 
 @triton.jit
+def _store_used(NUSED, b, n, per, NS, PAGE: tl.constexpr, PLAN: tl.constexpr, first):
+    """Where ``first`` (one program a sequence), the sequence's page splits with tokens: ``per`` pages a split
+    (``PLAN``), else its ``n`` tokens' pages over ``NS`` splits (:func:`~quantmla.kernels.splits._split_pages`)."""
+    npages = tl.cdiv(n, PAGE)
+    if not PLAN:
+        per = tl.cdiv(npages, NS)
+    tl.store(NUSED + b, tl.cdiv(npages, tl.maximum(per, 1)), mask=first)
+
+
+@triton.jit
 def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
     """Online-softmax state: running max, running sum and the four output-plane accumulators."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -111,14 +121,16 @@ def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
 
 
 @triton.jit
-def _load_query(Q, QR, b, heads, hmask, H, DC: tl.constexpr, DR: tl.constexpr, PL: tl.constexpr, RPL: tl.constexpr):
-    qb = Q + (b * H + heads)[:, None] * DC + tl.arange(0, PL)[None, :]
+def _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL: tl.constexpr, RPL: tl.constexpr):
+    """Sequence ``b``'s queries of ``heads``, four content planes and two RoPE planes (strides ``SQB, SQH``
+    and ``SRB, SRH`` per sequence and head, channels contiguous)."""
+    qb = Q + b * SQB + heads[:, None] * SQH + tl.arange(0, PL)[None, :]
     msk = hmask[:, None]
     q0 = tl.load(qb, mask=msk, other=0.0)
     q1 = tl.load(qb + PL, mask=msk, other=0.0)
     q2 = tl.load(qb + 2 * PL, mask=msk, other=0.0)
     q3 = tl.load(qb + 3 * PL, mask=msk, other=0.0)
-    qrb = QR + (b * H + heads)[:, None] * DR + tl.arange(0, RPL)[None, :]
+    qrb = QR + b * SRB + heads[:, None] * SRH + tl.arange(0, RPL)[None, :]
     qr0 = tl.load(qrb, mask=msk, other=0.0)
     qr1 = tl.load(qrb + RPL, mask=msk, other=0.0)
     return q0, q1, q2, q3, qr0, qr1
@@ -145,11 +157,12 @@ def _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: 
 
 @triton.jit(do_not_specialize=["NS", "NSP"])
 def _paged_kernel(
-    Q, QR, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
+    Q, QR, SQB, SQH, SRB, SRH, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     DT: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr,
 ):  # fmt: skip
-    """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next."""
+    """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next. The
+    first split of each sequence stores how many splits have tokens in ``NUSED``."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)
@@ -162,7 +175,8 @@ def _paged_kernel(
         per = _pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
     n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
     active = p0 < p1
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, tl.where(active, hmask, False), H, DC, DR, PL, RPL)
+    _store_used(NUSED, b, n, per, NS, PAGE, PLAN, (split == 0) & (hg == 0))
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, tl.where(active, hmask, False), PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
@@ -181,6 +195,10 @@ def _paged_kernel(
 def _window_kernel(
     Q,
     QR,
+    SQB,
+    SQH,
+    SRB,
+    SRH,
     HP,
     HPLEN,
     WSKIP,
@@ -203,7 +221,7 @@ def _window_kernel(
     RPL: tl.constexpr = DR // 2
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, b, heads, hmask, H, DC, DR, PL, RPL)
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
     hl = tl.load(HPLEN + b)
     wskip = tl.load(WSKIP + b)  # window rows before this index are masked (left padding in the sinks)
@@ -238,26 +256,35 @@ class ShadowWindow:
 
 
 @triton.jit(do_not_specialize=["NSP"])
-def _combine_kernel(OP, LP, OUT, LSE, H, NSP, DC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                    USED: tl.constexpr, WIN: tl.constexpr):  # fmt: skip
     """Merge the split partials of one (sequence, head) by log-sum-exp, for channels
     ``[BLOCK_D * program_id(2), +BLOCK_D)`` (so that small batches still fill the GPU), ``CHUNK`` splits
     at a time with a running maximum; a split whose log-sum-exp is -inf attended nothing and its output
-    is not read (empty splits do not write one)."""
+    is not read (empty splits do not write one). With ``USED`` it reads only the sequence's first
+    ``NUSED[b]`` splits (those with tokens; a CUDA graph's grid holds more) and, with ``WIN``, the last
+    (``NSP - 1``: the window's); else all ``NSP``."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if USED:
+        nused = tl.load(NUSED + b)
+    else:
+        nused = NSP - WIN
+    cnt = nused + WIN
     mx = tl.full((), float("-inf"), tl.float32)
     tot = tl.zeros((), tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, NSP, CHUNK):
+    for s0 in range(0, cnt, CHUNK):
         cidx = s0 + tl.arange(0, CHUNK)
-        lse = tl.load(LP + (b * NSP + cidx) * H + h, mask=cidx < NSP, other=float("-inf"))
+        slot = tl.where(cidx < nused, cidx, NSP - 1)  # past the used splits: the window's (WIN)
+        lse = tl.load(LP + (b * NSP + slot) * H + h, mask=cidx < cnt, other=float("-inf"))
         m_new = tl.maximum(mx, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         keep = tl.exp(mx - m_safe)  # 0 while nothing was attended
         w = tl.exp(lse - m_safe)
         full = lse > float("-inf")
-        o = tl.load(OP + ((b * NSP + cidx)[:, None] * H + h) * DC + d[None, :], mask=full[:, None], other=0.0)
+        o = tl.load(OP + ((b * NSP + slot)[:, None] * H + h) * DC + d[None, :], mask=full[:, None], other=0.0)
         acc = acc * keep + tl.sum(w[:, None] * o, 0)
         tot = tot * keep + tl.sum(w, 0)
         mx = m_new
@@ -357,12 +384,17 @@ def mla_decode(
         raise ValueError("shadow windows replace window, paged_start and window_skip: give one or the other")
     if window is not None and (window.dtype != torch.bfloat16 or window.shape[0] != B or window.shape[-1] != DC + DR):
         raise ValueError(f"window must be bfloat16 [B, cap, {DC + DR}], got {window.dtype} {tuple(window.shape)}")
-    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
+    # read in place with their strides (vLLM hands views: a transposed product and a split), channels contiguous
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     dev = q_lat.device
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no cached graph-pool memory
-    zeros = torch.zeros(B, dtype=torch.int32, device=dev) if capturing else _zeros_i32(B, dev)
-    paged_start = zeros if paged_start is None else paged_start
-    window_skip = zeros if window_skip is None else window_skip
+    if shadow is None and (paged_start is None or window_skip is None):
+        zeros = torch.zeros(B, dtype=torch.int32, device=dev) if capturing else _zeros_i32(B, dev)
+        paged_start = zeros if paged_start is None else paged_start
+        window_skip = zeros if window_skip is None else window_skip
+    elif shadow is not None:  # not read with shadows (the kernels take the windows' bounds from the lengths)
+        paged_start = window_skip = n_paged
     if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
         raise ValueError("paged_start and window_skip must be int32")
     if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:
@@ -397,21 +429,23 @@ def mla_decode(
     scale_log2 = scale * 1.4426950408889634
     # the CPU interpreter's bf16/fp16 dots are not numeric: it computes the dots in fp32
     bf16_dt = tl.float32 if interpret else tl.bfloat16
-    common = (block_table, n_paged, paged_start, op, lp, H, maxp, ns, nsp, scale_log2)
+    used = torch.empty(B, dtype=torch.int32, device=dev)  # page splits with tokens, a sequence (the kernels')
+    common = (block_table, n_paged, paged_start, op, lp, used, H, maxp, ns, nsp, scale_log2)
+    qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
     planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
     if lay.quantized:
         from quantmla.kernels.decode_lowbit import _lowbit_kernel
 
         views = store.kernel_views()
         kernel = _lowbit_kernel[grid](
-            q_lat, q_pe, *views, *(v.stride(0) for v in views), *common, *sh,
+            q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
             SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, **planning, num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[grid](
-            q_lat, q_pe, store.content, store.content.stride(0), *common,
+            q_lat, q_pe, *qs, store.content, store.content.stride(0), *common,
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
@@ -421,6 +455,7 @@ def mla_decode(
         _window_kernel[(B, 1, hg)](
             q_lat,
             q_pe,
+            *qs,
             window,
             window_len,
             window_skip,
@@ -438,17 +473,21 @@ def mla_decode(
             num_warps=num_warps,
             **stages,
         )
-    return combine_splits(op, lp, out_dtype)
+    return combine_splits(op, lp, out_dtype, used=used, window=nsp > ns)
 
 
-def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16):
+def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                   used: torch.Tensor | None = None, window: bool = False):  # fmt: skip
     """Merge split partials ``op [B, S, H, d_c]`` (float32, each normalised) with their log-sum-exps
-    ``lp [B, S, H]`` into ``o [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]``."""
+    ``lp [B, S, H]`` into ``o [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]``. ``used`` (int32 ``[B]``):
+    read only each sequence's first ``used[b]`` splits and, with ``window``, the last one (the window's);
+    the other slots are neither read nor need to be written. Default: all ``S``."""
     B, nsp, H, DC = op.shape
     o = torch.empty(B, H, DC, dtype=out_dtype, device=op.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=op.device)
     bd = min(DC, COMBINE_BLOCK_D)
     _combine_kernel[(B, H, triton.cdiv(DC, bd))](
-        op, lp, o, lse, H, nsp, DC=DC, BLOCK_D=bd, CHUNK=COMBINE_CHUNK, num_warps=1
-    )
+        op, lp, o, lse, lp if used is None else used, H, nsp, DC=DC, BLOCK_D=bd, CHUNK=COMBINE_CHUNK,
+        USED=used is not None, WIN=window, num_warps=1,
+    )  # fmt: skip
     return o, lse

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _init_state, _shadow_rows
+from quantmla.kernels.decode import _init_state, _shadow_rows, _store_used
 from quantmla.kernels.splits import _pages_per_split, _split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
@@ -102,8 +102,8 @@ def _row_planes(ptr, tmask, DC: tl.constexpr, PW: tl.constexpr, RPW: tl.constexp
 
 @triton.jit(do_not_specialize=["NS", "NSP"])
 def _lowbit_kernel(
-    Q, QR, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, H, MAXP, NS, NSP, scale_log2,
-    ROWS, MAP, TRASH,
+    Q, QR, SQB, SQH, SRB, SRH, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H,
+    MAXP, NS, NSP, scale_log2, ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
     WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr,
@@ -112,7 +112,9 @@ def _lowbit_kernel(
     """With shadow windows (``WS + WR > 0``) split index 0 of the grid reads each sequence's window rows
     (BF16, exact in ``DT``) in place and stores its partial as split ``NS``; splits ``1..NS`` the pages. A
     program with nothing to read (past its sequence's splits, or a window program of an empty sequence)
-    loads nothing and stores only its -inf log-sum-exp."""
+    loads nothing and stores only its -inf log-sum-exp. The first page split of each sequence stores how many
+    page splits it has in ``NUSED`` (the combine reads those and the window's). Queries: strides ``SQB, SQH``
+    (``Q``) and ``SRB, SRH`` (``QR``) per sequence and head, channels contiguous."""
     b = tl.program_id(0)
     split = tl.program_id(1) - (1 if WS + WR > 0 else 0)  # -1: the window program
     hg = tl.program_id(2)
@@ -122,6 +124,7 @@ def _lowbit_kernel(
         per = _pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
     n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
     active = tl.where(split >= 0, p0 < p1, tl.load(NPAGED + b) > 0)
+    _store_used(NUSED, b, n, per, NS, PAGE, PLAN, (split == 0) & (hg == 0))
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
     NG: tl.constexpr = DC // G
@@ -130,7 +133,7 @@ def _lowbit_kernel(
     hmask = heads < H
     cp = tl.arange(0, PW)[None, :]
     rp = tl.arange(0, RPW)[None, :]
-    qb = Q + (b * H + heads)[:, None] * DC + cp
+    qb = Q + b * SQB + heads[:, None] * SQH + cp
     hm = tl.where(active, hmask, False)[:, None]
     q0 = tl.load(qb + 0 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q1 = tl.load(qb + 1 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
@@ -140,7 +143,7 @@ def _lowbit_kernel(
     q5 = tl.load(qb + 5 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q6 = tl.load(qb + 6 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q7 = tl.load(qb + 7 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
-    qrb = QR + (b * H + heads)[:, None] * DR + rp
+    qrb = QR + b * SRB + heads[:, None] * SRH + rp
     qr0 = tl.load(qrb + 0 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr1 = tl.load(qrb + 1 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr2 = tl.load(qrb + 2 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
