@@ -55,7 +55,8 @@ def graph_time(calls, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4") -> dict:
+def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4",
+         chunks: tuple[int, ...] = ()) -> dict:  # fmt: skip
     torch.manual_seed(0)
     dev, bs, h = "cuda", 64, 16
     lay = RecordLayout(scheme)
@@ -92,6 +93,15 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
                                                         shadow=s[1], num_splits=n, min_batch=mb)
                  for s in stores]  # fmt: skip
         row[f"splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
+    import quantmla.kernels.decode as dec
+
+    default_chunk = dec.COMBINE_CHUNK
+    for c in chunks:  # the combine's splits a step (the default call otherwise)
+        dec.COMBINE_CHUNK = c
+        calls = [lambda s=s: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
+                                        min_batch=lo) for s in stores]  # fmt: skip
+        row[f"combine_chunk_{c}_us"] = graph_time(calls, repeats)
+    dec.COMBINE_CHUNK = default_chunk
     one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
                                           min_batch=lo)]  # fmt: skip
     row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
@@ -106,15 +116,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default="")
     ap.add_argument("--scheme", default="c4r4", choices=["c4r4", "c2r4"])
+    ap.add_argument("--chunks", default="", help="also time the default call at these combine chunks, e.g. 8,16,32")
+    ap.add_argument("--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88)")
     ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
     args = ap.parse_args()
+    if args.splits:
+        SPLITS[1:] = [int(n) for n in args.splits.split(",")]
     rows = []
     cases = CASES
     if args.cases:
         cases = [(int(c.split("x")[0]), int(c.split("x")[1].split("/")[0]), int(c.split("/")[1]), int(c.split("/")[2]))
                  for c in args.cases.split(",")]  # fmt: skip
     for real, length, batch, max_len in cases:
-        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme))
+        chunks = tuple(int(c) for c in args.chunks.split(",") if c)
+        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks))
         print(json.dumps(rows[-1]), flush=True)
     cols = [k for k in rows[0] if k.endswith("_us")]
     print("| real x L | graph batch | table pages | old default splits | grid splits (half) | planned pages a split | "

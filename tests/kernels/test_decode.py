@@ -187,13 +187,15 @@ def test_combine_against_float64(block_d, monkeypatch):
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [8, 32])
 @pytest.mark.parametrize("window", [False, True])
-def test_combine_reads_only_the_used_splits(window):
+def test_combine_reads_only_the_used_splits(window, chunk, monkeypatch):
     """With per-sequence counts of splits that have tokens (a CUDA graph's grid holds more), the merge reads
     splits ``[0, used[b])`` and, with a window, the last slot; the slots between hold finite partials here
-    that would change the result if they were read."""
+    that would change the result if they were read. Steps of 8 and 32 splits (more than the grid's 21)."""
     import quantmla.kernels.decode as dec
 
+    monkeypatch.setattr(dec, "COMBINE_CHUNK", chunk)
     g = torch.Generator().manual_seed(5)
     B, S, H, DC = 4, 21, 3, 64
     op = torch.randn(B, S, H, DC, generator=g)

@@ -165,3 +165,30 @@ def test_an_evicted_shadow_is_repaired_from_its_record_and_counted():
     got = eng.decode([0], q_nope, q_pe)[0].double()
     want = eng.reference(0, q_nope[0], q_pe[0], as_stored=range(3, SUB + 2))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream-sync check needs CUDA (sync debug mode)")
+def test_planning_on_cuda_never_waits_for_the_stream():
+    """vLLM prepares a step while the GPU runs the one before (asynchronous scheduling): the plan's map
+    updates and repairs must not synchronise the stream. PyTorch's sync debug mode raises on any
+    synchronising call (a blocking copy from pageable memory among them); the map ends as a CPU pool's fed
+    the same steps."""
+    cfg = WindowConfig(0, SUB)
+    pools = [WindowPool(cfg, 32 * 16, 1, dev) for dev in ("cpu", "cuda")]
+    repaired = []
+    pools[1].register(0, lambda rows, slots: repaired.append(rows.numel()))
+    t0, t1 = np.arange(0, 4)[None, :], np.arange(4, 8)[None, :]
+    one = np.ones(1, dtype=np.int64)
+    steps = [(t0, [SUB + 2], [SUB + 2]), (t1, [SUB + 2], [SUB + 2]), (t0, [SUB + 3], one)]  # 0, 1, 0 again
+    steps += [(t0, [SUB + 3 + k], one) for k in range(1, 9)]  # request 0 decodes across sub-pages
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for table, lens, q in steps:
+            for pool in pools:
+                pool.plan(table, np.array(lens), np.asarray(q), 16)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert repaired and pools[1].misses == pools[0].misses > 0  # request 0's rows were repaired on its return
+    assert torch.equal(pools[1].map.cpu(), pools[0].map)

@@ -168,8 +168,7 @@ class WindowPool:
         rows, slots = np.unique(np.stack([wrows[bad], wslots[bad]]), axis=1)
         self._valid[rows] = True
         self.misses += rows.size
-        dev = self.map.device
-        rows_t, slots_t = torch.from_numpy(rows).to(dev), torch.from_numpy(slots).to(dev)
+        rows_t, slots_t = self._upload(rows), self._upload(slots)
         for repair in self._repairers.values():
             repair(rows_t, slots_t)
         return int(rows.size)
@@ -190,8 +189,18 @@ class WindowPool:
         self._last[free] = step
         self._valid[(free[:, None] * SUB + np.arange(SUB)).ravel()] = False
         changed = np.concatenate([old, missing])
-        dev = self.map.device
-        self.map[torch.from_numpy(changed).to(dev)] = torch.from_numpy(self._shadow_of[changed]).to(dev, torch.int32)
+        self.map[self._upload(changed)] = self._upload(self._shadow_of[changed].astype(np.int32))
+
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the map's device, queued behind the stream's work without waiting for it: a blocking copy
+        from pageable memory synchronises the stream (PyTorch waits for the copy), which would stall vLLM's
+        asynchronous scheduling every step a window crosses into a new sub-page. On CUDA the copy goes
+        from pinned memory, non-blocking (PyTorch's caching host allocator keeps the pinned block until the
+        copy has run)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.map.device.type != "cuda":
+            return t.to(self.map.device)
+        return t.pin_memory().to(self.map.device, non_blocking=True)
 
     def rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shadow rows of ``slots`` (any shape, -1 for none) and whether they have one (else the scratch row)."""
