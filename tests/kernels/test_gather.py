@@ -61,3 +61,25 @@ def test_the_fused_gather_covers_the_kernel_schemes_only():
     with pytest.raises(ValueError, match="no fused gather"):
         gather_rows(lay, torch.zeros(1, 16, lay.record_bytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.long),
                     torch.zeros(1, 192, dtype=torch.bfloat16))  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the GPU's compiled variants (no compiler on the CPU)")
+@pytest.mark.parametrize("windows", [False, True])
+def test_warm_gather_compiles_the_variant_an_engine_runs(windows):
+    """After :func:`warm_gather` (what the vLLM plugin runs at start), a gather of real pages, another row
+    count and another pool size compiles nothing more: the first chunked prefill does not wait for Triton."""
+    from quantmla.kernels.gather import _gather_kernel, warm_gather
+
+    lay, pages, slots, g = _pages("c4r4", 512, 64, 64)
+    warm_gather(lay, pages.shape[1], windows, DEV)
+    torch.cuda.synchronize()
+    compiled = len(_gather_kernel.device_caches[torch.cuda.current_device()][0])
+    shadow = {}
+    if windows:
+        shadow = dict(wanted=torch.rand(37, generator=g).to(DEV) < 0.5,
+                      shadow_rows=torch.zeros(4 * 136 + 1, 576, dtype=torch.bfloat16, device=DEV),
+                      shadow_map=torch.full((pages.shape[0] * pages.shape[1] // SUB,), -1, dtype=torch.int32,
+                                            device=DEV))  # fmt: skip
+    gather_rows(lay, pages, slots[:37], torch.empty(37, 576, dtype=torch.bfloat16, device=DEV), **shadow)
+    torch.cuda.synchronize()
+    assert len(_gather_kernel.device_caches[torch.cuda.current_device()][0]) == compiled

@@ -34,7 +34,7 @@ def _dequant(WORDS, SM, BITS: tl.constexpr, PLANES: tl.constexpr, D: tl.constexp
     return code.to(tl.float32) * s + m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TRASH"])  # a row index: one compiled variant for any pool size
 def _gather_kernel(
     P32, P16, PH, SLOTS, WANT, SROWS, SMAP, OUT, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, CB: tl.constexpr, BS: tl.constexpr, REC: tl.constexpr,
@@ -120,3 +120,19 @@ def gather_rows(
         BS=pages.shape[1], REC=layout.record_bytes, CC=off["c_codes"], CSM=off["c_sm"], RC=off["r_codes"],
         RSM=off["r_sm"], QUANT=quant, SHADOW=shadow, SUB=sub, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
+
+
+def warm_gather(layout: RecordLayout, block_size: int, windows: bool, device) -> None:
+    """Compile the fused gather for ``layout`` pages of ``block_size`` tokens (with shadow windows or not)
+    by gathering one row of a throwaway page: an engine calls it at start so that its first chunked prefill
+    does not wait for Triton's compiler (the variant depends only on these and on 16-byte aligned buffers)."""
+    d = layout.kv_lora_rank + layout.rope_dim
+    pages = torch.zeros(1, block_size, layout.record_bytes, dtype=torch.uint8, device=device)
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    out = torch.empty(1, d, dtype=torch.bfloat16, device=device)
+    shadow = {}
+    if windows:
+        shadow = dict(wanted=torch.zeros(1, dtype=torch.bool, device=device),
+                      shadow_rows=torch.zeros(2, d, dtype=torch.bfloat16, device=device),
+                      shadow_map=torch.full((1,), -1, dtype=torch.int32, device=device))  # fmt: skip
+    gather_rows(layout, pages, slots, out, **shadow)

@@ -74,8 +74,17 @@ class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommon
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
-        cfg = window_config(current_selection())
+        sel = current_selection()
+        cfg = window_config(sel)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, window_cfg=cfg, **kwargs)
+        if sel is not None and _has_kernel(sel.scheme):
+            d_c, d_r = mla_geometry()
+            layout = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
+            if has_fused_gather(layout):  # else vLLM's first chunked prefill would wait for Triton's compiler
+                from quantmla.kernels.gather import warm_gather
+
+                warm_gather(layout, kv_cache_spec.block_size, cfg.enabled, device)
+                log_once("quantmla plugin: the prefill-context gather compiled at start")
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
