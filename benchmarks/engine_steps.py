@@ -74,7 +74,12 @@ def summarize(steps: list[tuple[int, int, int, float]]) -> dict:
 
 
 def jit_cache() -> dict[str, str]:
-    """Triton's compiled kernels on this machine, cache entry -> kernel name (the engine's processes share the
-    cache directory: ``TRITON_CACHE_DIR`` or ``~/.triton/cache``; inductor's kernels compile through it too)."""
-    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    return {f.parent.name: f.stem for f in root.glob("*/*.json") if not f.name.startswith("__grp__")}
+    """Triton's compiled kernels on this machine, cache entry -> kernel name: ``TRITON_CACHE_DIR`` (or
+    ``~/.triton/cache``) and the ``triton_cache`` directories under vLLM's compile cache, where vLLM's engine
+    process points Triton (``VLLM_CACHE_ROOT``, ``~/.cache/vllm``). vLLM's own JIT monitor logs the same
+    events in the engine's log ("Triton kernel JIT compilation during inference")."""
+    roots = [Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")]
+    vllm_root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
+    roots += sorted(vllm_root.glob("torch_compile_cache/**/triton_cache"))
+    return {f"{root}/{f.parent.name}": f.stem for root in roots for f in root.glob("*/*.json")
+            if not f.name.startswith("__grp__")}  # fmt: skip

@@ -66,15 +66,16 @@ def test_step_log_keeps_vllms_iteration_lines_while_started():
     assert (s["decode_steps"], s["decode_ms"], s["decode_median_ms_by_batch"]) == (2, 14.0, {"5": 7.0})
 
 
-def test_jit_cache_names_the_kernels_in_the_triton_cache_dir(tmp_path, monkeypatch):
+def test_jit_cache_names_the_kernels_in_the_triton_cache_dirs(tmp_path, monkeypatch):
     """A run's ``jit_compiled_in_run`` is the cache entries new after it: each entry's kernel name, group
-    files left out."""
+    files left out, from Triton's directory and from those vLLM's engine points Triton to."""
     es = load_script("benchmarks/engine_steps.py")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    (tmp_path / "A1").mkdir()
-    (tmp_path / "A1" / "_lowbit_kernel.json").write_text("{}")
-    (tmp_path / "A1" / "_lowbit_kernel.cubin").write_text("")
-    (tmp_path / "B2").mkdir()
-    (tmp_path / "B2" / "__grp___write_kernel.json").write_text("{}")
-    (tmp_path / "B2" / "_write_kernel.json").write_text("{}")
-    assert es.jit_cache() == {"A1": "_lowbit_kernel", "B2": "_write_kernel"}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "t"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "v"))
+    engine = tmp_path / "v" / "torch_compile_cache" / "abc" / "rank_0_0" / "backbone" / "triton_cache"
+    for root, entry, name in ((tmp_path / "t", "A1", "_lowbit_kernel"), (engine, "B2", "_gather_kernel")):
+        (root / entry).mkdir(parents=True)
+        (root / entry / f"{name}.json").write_text("{}")
+        (root / entry / f"__grp__{name}.json").write_text("{}")
+        (root / entry / f"{name}.cubin").write_text("")
+    assert sorted(es.jit_cache().values()) == ["_gather_kernel", "_lowbit_kernel"]
