@@ -299,7 +299,7 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
 #: loop's (the kernel's 255 at 16 heads); ptxas for sm_90 spills 160 bytes at 16, 1356 at 64
 WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs of one warp
-COMBINE_CHUNK = 32  # splits per combine step (fewer dependent steps: BENCHMARKS.md, "The combine")
+COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS.md, "Used splits")
 
 
 @functools.lru_cache(maxsize=64)
