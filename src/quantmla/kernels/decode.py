@@ -99,16 +99,6 @@ def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, 
 
 
 @triton.jit
-def _store_used(NUSED, b, n, per, NS, PAGE: tl.constexpr, PLAN: tl.constexpr, first):
-    """Where ``first`` (one program a sequence), the sequence's page splits with tokens: ``per`` pages a split
-    (``PLAN``), else its ``n`` tokens' pages over ``NS`` splits (:func:`~quantmla.kernels.splits._split_pages`)."""
-    npages = tl.cdiv(n, PAGE)
-    if not PLAN:
-        per = tl.cdiv(npages, NS)
-    tl.store(NUSED + b, tl.cdiv(npages, tl.maximum(per, 1)), mask=first)
-
-
-@triton.jit
 def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
     """Online-softmax state: running max, running sum and the four output-plane accumulators."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -173,9 +163,9 @@ def _paged_kernel(
     per = 0
     if PLAN:
         per = _pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
+    n, kstart, p0, p1, used = _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
     active = p0 < p1
-    _store_used(NUSED, b, n, per, NS, PAGE, PLAN, (split == 0) & (hg == 0))
+    tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, tl.where(active, hmask, False), PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
     for p in range(p0, p1):
@@ -389,12 +379,12 @@ def mla_decode(
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     dev = q_lat.device
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no cached graph-pool memory
-    if shadow is None and (paged_start is None or window_skip is None):
+    if shadow is not None:  # not read with shadows (the kernels take the windows' bounds from the lengths)
+        paged_start = window_skip = n_paged
+    elif paged_start is None or window_skip is None:
         zeros = torch.zeros(B, dtype=torch.int32, device=dev) if capturing else _zeros_i32(B, dev)
         paged_start = zeros if paged_start is None else paged_start
         window_skip = zeros if window_skip is None else window_skip
-    elif shadow is not None:  # not read with shadows (the kernels take the windows' bounds from the lengths)
-        paged_start = window_skip = n_paged
     if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
         raise ValueError("paged_start and window_skip must be int32")
     if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:

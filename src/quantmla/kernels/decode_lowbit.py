@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _init_state, _shadow_rows, _store_used
+from quantmla.kernels.decode import _init_state, _shadow_rows
 from quantmla.kernels.splits import _pages_per_split, _split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
@@ -122,9 +122,9 @@ def _lowbit_kernel(
     if PLAN:
         nsq = tl.num_programs(0)
         per = _pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
-    n, kstart, p0, p1 = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
+    n, kstart, p0, p1, used = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
     active = tl.where(split >= 0, p0 < p1, tl.load(NPAGED + b) > 0)
-    _store_used(NUSED, b, n, per, NS, PAGE, PLAN, (split == 0) & (hg == 0))
+    tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
     NG: tl.constexpr = DC // G

@@ -59,10 +59,11 @@ def _pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR
 @triton.jit
 def _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
                  PLAN: tl.constexpr):  # fmt: skip
-    """Paged-token count, left-padding start and the page range ``[p0, p1)`` of one split (empty past the
-    sequence's pages): ``per`` pages a split from :func:`_pages_per_split` (``PLAN``), else the sequence's
-    pages over ``NS`` splits. With shadow windows (``WS + WR > 0``: sinks and recent window read from the
-    shadows), ``NPAGED`` holds each sequence's length."""
+    """Paged-token count, left-padding start, the page range ``[p0, p1)`` of one split (empty past the
+    sequence's pages) and how many of the sequence's splits have pages: ``per`` pages a split from
+    :func:`_pages_per_split` (``PLAN``), else the sequence's pages over ``NS`` splits. With shadow windows
+    (``WS + WR > 0``: sinks and recent window read from the shadows), ``NPAGED`` holds each sequence's
+    length."""
     total = tl.load(NPAGED + b)
     n = _paged_tokens(total, WS, WR)
     if WS + WR > 0:
@@ -74,7 +75,7 @@ def _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE: tl.constexpr, WS: tl.c
         per = tl.cdiv(npages, NS)
     p0 = split * per
     p1 = tl.minimum(p0 + per, npages)
-    return n, kstart, p0, p1
+    return n, kstart, p0, p1, tl.cdiv(npages, tl.maximum(per, 1))
 
 
 @functools.cache

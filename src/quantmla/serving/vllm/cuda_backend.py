@@ -124,7 +124,12 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
                       "quantmla's Triton kernels on the pages in place" if self.kernel
                       else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
         self._pages: tuple[int, KernelPages] | None = None
-        self.capture_sizes = capture_sizes()  # a decode graph's batch replays the batches above the next size down
+        # the decode graph of each captured batch replays the batches above the next captured size down
+        sizes = capture_sizes()
+        self.min_batches = {b: graph_min_batch(b, sizes) for b in sizes or ()}
+        if sel is not None and self.kernel:
+            log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s)",
+                     "from its capture sizes" if sizes else "capture sizes unknown: half its batch up")  # fmt: skip
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:
@@ -187,15 +192,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
             cfg = self.windows.cfg
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
-        lo = None
-        if torch.cuda.is_current_stream_capturing():  # the graph replays batches from `lo` real requests up
-            lo = graph_min_batch(dec.block_table.shape[0], self.capture_sizes)
-            log_once(
-                "quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s)",
-                "from its capture sizes" if lo is not None else "capture sizes unknown: half its batch up",
-            )
         return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
-                          shadow=shadow, min_batch=lo)  # fmt: skip
+                          shadow=shadow, min_batch=self.min_batches.get(dec.block_table.shape[0]))  # fmt: skip
 
 
 def patch_kv_cache_spec() -> None:
