@@ -282,6 +282,8 @@ def main() -> None:
     ap.add_argument("--append", action="store_true", help="add the rows to OUT/serving.json instead of replacing")
     ap.add_argument("--decode-step", action="store_true", help="also time the decode step's attention alone")
     ap.add_argument("--decode-only", action="store_true", help="only time the decode step's attention")
+    ap.add_argument("--decode-cases", type=_cases, default=_cases("5x32768,48x6144,32x65536,8x131072"),
+                    help="GPU: the decode step's requests x context, comma list")  # fmt: skip
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--report", action="store_true", help="only print the table and plot of OUT/serving.json")
@@ -323,6 +325,14 @@ def main() -> None:
     report(rows, steps, args.out)
 
 
+def _cases(text: str) -> list[tuple[int, int]]:
+    """``"5x32768,48x6144"`` as ``[(5, 32768), (48, 6144)]``."""
+    try:
+        return [(int(c.split("x")[0]), int(c.split("x")[1])) for c in text.split(",") if c]
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r}: give requests x context, e.g. 5x32768,48x6144") from None
+
+
 def decode_step_gpu(args) -> list[dict]:
     """The decode step's attention alone on the GPU, CUDA-event medians: vLLM's FLASH_ATTN_MLA kernel (FA3)
     on a BF16 page vs quantmla's Triton kernels reading field-major record pages in place."""
@@ -357,7 +367,7 @@ def decode_step_gpu(args) -> list[dict]:
         return statistics.median(ts)
 
     rows = []
-    for b, length in ((5, 32768), (48, 6144), (32, 65536), (8, 131072)):
+    for b, length in args.decode_cases:
         torch.manual_seed(0)
         h, bs, pages = args.heads, 64, -(-length // 64)
         dev = "cuda"

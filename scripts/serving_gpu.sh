@@ -6,6 +6,7 @@
 #   bash scripts/serving_gpu.sh kernels        the kernel and window tests on the GPU (against torch and float64)
 #   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16)
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
+#                                              (DECODE_CASES: requests x context, comma list)
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
 #                                              each workload (WORKLOADS) its own engine of max_num_seqs = its requests
 #                                              rounded up to a multiple of 8
@@ -42,7 +43,8 @@ kernels)
 test)
   python -m pytest -q -s tests/serving/test_vllm_gpu.py -p no:cacheprovider;;
 decode)
-  python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20;;
+  python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20 \
+    --decode-cases "${DECODE_CASES:-5x32768,48x6144,32x65536,8x131072}";;
 pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \

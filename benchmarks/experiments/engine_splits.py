@@ -9,7 +9,8 @@ planned on the device in a grid sized for the batches vLLM replays in that graph
 next smaller captured size: ``splits_default``, what the plugin runs) and for any batch from half the graph's
 up (``splits_half``, the grid before the plugin passed ``min_batch``), at fixed counts (``splits_N``; before
 the plan, the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the
-default call on one layer repeated (what the stand-alone serving benchmark measured). Prints a markdown table
+default call on one layer repeated (what the stand-alone serving benchmark measured); ``--chunks`` and
+``--window-splits`` time the default call at other combine steps and window programs. Prints a markdown table
 of µs per call (median of ``--repeats`` replays).
 """
 
@@ -56,7 +57,7 @@ def graph_time(calls, repeats: int) -> float:
 
 
 def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4",
-         chunks: tuple[int, ...] = ()) -> dict:  # fmt: skip
+         chunks: tuple[int, ...] = (), window_splits: tuple[int, ...] = ()) -> dict:  # fmt: skip
     torch.manual_seed(0)
     dev, bs, h = "cuda", 64, 16
     lay = RecordLayout(scheme)
@@ -102,6 +103,10 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
                                         min_batch=lo) for s in stores]  # fmt: skip
         row[f"combine_chunk_{c}_us"] = graph_time(calls, repeats)
     dec.COMBINE_CHUNK = default_chunk
+    for k in window_splits:  # the window's rows over k programs a sequence (the default call otherwise)
+        calls = [lambda s=s, k=k: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
+                                             min_batch=lo, window_splits=k) for s in stores]  # fmt: skip
+        row[f"window_splits_{k}_us"] = graph_time(calls, repeats)
     one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
                                           min_batch=lo)]  # fmt: skip
     row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
@@ -117,11 +122,13 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--scheme", default="c4r4", choices=["c4r4", "c2r4"])
     ap.add_argument("--chunks", default="", help="also time the default call at these combine chunks, e.g. 8,16,32")
-    ap.add_argument("--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88)")
+    ap.add_argument("--window-splits", default="", help="also time the default call with the window read by "
+                    "this many programs a sequence, e.g. 1,3,9")
+    ap.add_argument("--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)")
     ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
     args = ap.parse_args()
     if args.splits:
-        SPLITS[1:] = [int(n) for n in args.splits.split(",")]
+        SPLITS[1:] = [] if args.splits == "none" else [int(n) for n in args.splits.split(",")]
     rows = []
     cases = CASES
     if args.cases:
@@ -129,7 +136,8 @@ def main() -> None:
                  for c in args.cases.split(",")]  # fmt: skip
     for real, length, batch, max_len in cases:
         chunks = tuple(int(c) for c in args.chunks.split(",") if c)
-        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks))
+        wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
+        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits))
         print(json.dumps(rows[-1]), flush=True)
     cols = [k for k in rows[0] if k.endswith("_us")]
     print("| real x L | graph batch | table pages | old default splits | grid splits (half) | planned pages a split | "

@@ -45,7 +45,7 @@ def combine_table() -> None:
 
             grid = (B, H, DC // bd)
             args = (op, lp, o, lse, lp, H, nsp)  # every split read (no used counts)
-            kw = dict(DC=DC, BLOCK_D=bd, CHUNK=chunk, USED=False, WIN=False, num_warps=warps)
+            kw = dict(DC=DC, BLOCK_D=bd, CHUNK=chunk, USED=False, WIN=0, num_warps=warps)
 
             def f(grid=grid, args=args, kw=kw):
                 _combine_kernel[grid](*args, **kw)

@@ -188,11 +188,11 @@ def test_combine_against_float64(block_d, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", [8, 32])
-@pytest.mark.parametrize("window", [False, True])
-def test_combine_reads_only_the_used_splits(window, chunk, monkeypatch):
+@pytest.mark.parametrize("wins", [0, 1, 3])
+def test_combine_reads_only_the_used_splits(wins, chunk, monkeypatch):
     """With per-sequence counts of splits that have tokens (a CUDA graph's grid holds more), the merge reads
-    splits ``[0, used[b])`` and, with a window, the last slot; the slots between hold finite partials here
-    that would change the result if they were read. Steps of 8 and 32 splits (more than the grid's 21)."""
+    splits ``[0, used[b])`` and the last ``wins`` slots (the windows'); the slots between hold finite partials
+    here that would change the result if they were read. Steps of 8 and 32 splits (more than the grid's 21)."""
     import quantmla.kernels.decode as dec
 
     monkeypatch.setattr(dec, "COMBINE_CHUNK", chunk)
@@ -200,21 +200,22 @@ def test_combine_reads_only_the_used_splits(window, chunk, monkeypatch):
     B, S, H, DC = 4, 21, 3, 64
     op = torch.randn(B, S, H, DC, generator=g)
     lp = torch.randn(B, S, H, generator=g) * 3
-    used = torch.tensor([0, 1, 9, 20 - window], dtype=torch.int32)
+    used = torch.tensor([0, 1, 9, 20 - wins], dtype=torch.int32)
     keep = torch.zeros(B, S, dtype=torch.bool)
     for b in range(B):
         keep[b, : int(used[b])] = True
-        if window:
-            keep[b, S - 1] = True
+        keep[b, S - wins :] = wins > 0
     lk = lp.double().masked_fill(~keep[..., None], float("-inf"))
     w = torch.softmax(lk, dim=1).nan_to_num(0.0)
     ref = (w[..., None] * op.double()).sum(1)
     ref_lse = torch.logsumexp(lk, dim=1)
-    o, lse = dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32, used=used.to(DEV), window=window)
+    o, lse = dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32, used=used.to(DEV), window_slots=wins)
     torch.testing.assert_close(o.cpu().double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
-    if not window:
+    if not wins:
         assert torch.isinf(lse[0]).all() and (o[0] == 0).all()  # no split: nothing attended
+    with pytest.raises(ValueError, match="window_slots=22"):
+        dec.combine_splits(op.to(DEV), lp.to(DEV), torch.float32, used=used.to(DEV), window_slots=22)
 
 
 @pytest.mark.parametrize("bits", SCHEMES, ids=["bf16", "c4r4", "c2r4"])

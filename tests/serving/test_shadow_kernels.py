@@ -51,15 +51,19 @@ def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
     assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
 
 
+@pytest.mark.parametrize("wsplits", [1, 2, 4])
 @pytest.mark.parametrize(("scheme", "sink", "recent"), [("c2r4", 4, 48), ("c4r4", 0, 33)])
-def test_decode_reads_the_window_rows_in_place(scheme, sink, recent):
+def test_decode_reads_the_window_rows_in_place(scheme, sink, recent, wsplits):
+    """Over one window program a (sequence, head group) and over several, each a run of the window's tiles
+    (52 rows in 16-row tiles: one program of 4 tiles, 2 of 2, 4 of 1; 33 rows: 3 tiles, one or two a
+    program)."""
     cfg = WindowConfig(sink, recent)
     lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg)
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(len(LENS), H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
     seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)
     got, _ = mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), KernelPages(pages, lay), table, seq, 0.1,
-                        shadow=ShadowWindow(shadow.rows, pool.map, sink, recent))  # fmt: skip
+                        shadow=ShadowWindow(shadow.rows, pool.map, sink, recent), window_splits=wsplits)  # fmt: skip
     win, win_len, start, n_paged = shadow.window(pool, pages, table, seq)
     torch_path = paged_decode(q[..., :DC], q[..., DC:], pages, lay, table, n_paged, 0.1, window=win,
                               window_len=win_len, paged_start=start)  # fmt: skip

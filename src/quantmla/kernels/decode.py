@@ -252,8 +252,8 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
     ``[BLOCK_D * program_id(2), +BLOCK_D)`` (so that small batches still fill the GPU), ``CHUNK`` splits
     at a time with a running maximum; a split whose log-sum-exp is -inf attended nothing and its output
     is not read (empty splits do not write one). With ``USED`` it reads only the sequence's first
-    ``NUSED[b]`` splits (those with tokens; a CUDA graph's grid holds more) and, with ``WIN``, the last
-    (``NSP - 1``: the window's); else all ``NSP``."""
+    ``NUSED[b]`` splits (those with tokens; a CUDA graph's grid holds more) and the last ``WIN`` (``NSP - WIN``
+    on: the windows'); else all ``NSP``."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -267,7 +267,7 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, cnt, CHUNK):
         cidx = s0 + tl.arange(0, CHUNK)
-        slot = tl.where(cidx < nused, cidx, NSP - 1)  # past the used splits: the window's (WIN)
+        slot = tl.where(cidx < nused, cidx, NSP - WIN + cidx - nused)  # past the used splits: the windows'
         lse = tl.load(LP + (b * NSP + slot) * H + h, mask=cidx < cnt, other=float("-inf"))
         m_new = tl.maximum(mx, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -296,6 +296,31 @@ COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS
 def _zeros_i32(n: int, device: torch.device) -> torch.Tensor:
     """A read-only int32 zero vector, kept between calls (one fill kernel and allocation fewer per call)."""
     return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def window_programs(rows: int, splits: int) -> tuple[int, int]:
+    """The window programs a (sequence, head group) runs to read ``rows`` window positions over about
+    ``splits`` programs, and the positions each reads (whole ``WINDOW_BLOCK_T`` tiles): ``(0, 0)`` without
+    windows."""
+    if rows == 0:
+        return 0, 0
+    if splits < 1:
+        raise ValueError(f"window_splits={splits}: must be at least 1")
+    per = triton.cdiv(triton.cdiv(rows, splits), WINDOW_BLOCK_T) * WINDOW_BLOCK_T
+    return triton.cdiv(rows, per), per
+
+
+def default_window_splits(seq_groups: int, rows: int) -> int:
+    """Window programs a (sequence, head group) for a launch of ``seq_groups`` (sequences x head groups) and
+    ``rows`` window positions. With few sequences the one window program is the launch's longest path (132
+    rows in 9 tiles, where a page program reads a 64-token page or two); from 8 on, the page programs fill the
+    GPU and more window programs only add partials to write and merge. H200, C4R4, 16 heads, 4 + 128 windows,
+    27 layers in a CUDA graph (BENCHMARKS.md, "The window over several programs"): 1 x 4K 22.4 -> 10.8 us
+    a layer at one tile a program; 4 x 4K 28.0 -> 17.5 at three programs; 8 and 48 sequences slowest past
+    one. Two sequences (not measured) take the four's figure."""
+    if seq_groups <= 1:
+        return triton.cdiv(rows, WINDOW_BLOCK_T)
+    return 3 if seq_groups <= 4 else 1
 
 
 def default_launch(block_h: int, content_bits: int) -> dict:
@@ -328,6 +353,7 @@ def mla_decode(
     window_skip: torch.Tensor | None = None,
     shadow: ShadowWindow | None = None,
     min_batch: int | None = None,
+    window_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -348,6 +374,8 @@ def mla_decode(
             ``B`` padded empty; vLLM: one more than the next smaller captured size). The grid holds the most
             splits any batch from there to ``B`` plans (:func:`~quantmla.kernels.splits.split_capacity`);
             ``None`` under capture takes half of ``B``. Ignored outside a capture, where ``B`` is the batch.
+        window_splits: with ``shadow``, the programs a (sequence, head group) that read its window rows, each
+            a run of ``WINDOW_BLOCK_T``-row tiles; ``None`` takes :func:`default_window_splits`.
         block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
             :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
     Returns:
@@ -404,16 +432,19 @@ def mla_decode(
     stages = {} if interpret else {"num_stages": num_stages or tuned["num_stages"]}
     cap = tuned["maxnreg"] if maxnreg is None else (maxnreg or None)
     paged_regs = {"maxnreg": cap} if cap and not interpret else {}
-    nsp = ns + (window is not None or shadow is not None)
     ws, wr = (shadow.sink, shadow.recent) if shadow is not None else (0, 0)
+    wspl, wrows = window_programs(ws + wr, window_splits if window_splits is not None
+                                  else default_window_splits(B * hg, ws + wr))  # fmt: skip
+    nsp = ns + (1 if window is not None else wspl)
     if shadow is not None and shadow.rows.shape[1] != DC + DR:
         raise ValueError(f"shadow rows are {shadow.rows.shape[1]} wide; the queries need {DC + DR}")
     if shadow is not None and not lay.quantized:
         raise ValueError("a BF16 store holds every token unquantised: shadow windows are for a quantised store")
-    # with shadows, one more program per (sequence, head group) reads the window rows: split index 0
+    # with shadows, ``wspl`` more programs per (sequence, head group) read the window rows: split indices
+    # ``0..wspl-1``
     sh = (shadow.rows, shadow.map, shadow.rows.shape[0] - 1) if shadow is not None else (q_lat, block_table, 0)
     sub = shadow.sub if shadow is not None else SUB
-    grid = (B, ns + (shadow is not None), hg)
+    grid = (B, ns + wspl, hg)
     op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
@@ -431,7 +462,7 @@ def mla_decode(
             q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
-            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, **planning, num_warps=num_warps, **stages, **paged_regs,
+            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[grid](
@@ -463,21 +494,23 @@ def mla_decode(
             num_warps=num_warps,
             **stages,
         )
-    return combine_splits(op, lp, out_dtype, used=used, window=nsp > ns)
+    return combine_splits(op, lp, out_dtype, used=used, window_slots=nsp - ns)
 
 
 def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-                   used: torch.Tensor | None = None, window: bool = False):  # fmt: skip
+                   used: torch.Tensor | None = None, window_slots: int = 0):  # fmt: skip
     """Merge split partials ``op [B, S, H, d_c]`` (float32, each normalised) with their log-sum-exps
     ``lp [B, S, H]`` into ``o [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]``. ``used`` (int32 ``[B]``):
-    read only each sequence's first ``used[b]`` splits and, with ``window``, the last one (the window's);
-    the other slots are neither read nor need to be written. Default: all ``S``."""
+    read only each sequence's first ``used[b]`` splits and the last ``window_slots`` (the windows'); the
+    other slots are neither read nor need to be written. Default: all ``S``."""
     B, nsp, H, DC = op.shape
+    if not 0 <= window_slots <= nsp:
+        raise ValueError(f"window_slots={window_slots}: must be 0..{nsp} (the partials' splits)")
     o = torch.empty(B, H, DC, dtype=out_dtype, device=op.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=op.device)
     bd = min(DC, COMBINE_BLOCK_D)
     _combine_kernel[(B, H, triton.cdiv(DC, bd))](
         op, lp, o, lse, lp if used is None else used, H, nsp, DC=DC, BLOCK_D=bd, CHUNK=COMBINE_CHUNK,
-        USED=used is not None, WIN=window, num_warps=1,
+        USED=used is not None, WIN=window_slots, num_warps=1,
     )  # fmt: skip
     return o, lse

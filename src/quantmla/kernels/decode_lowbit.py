@@ -106,24 +106,26 @@ def _lowbit_kernel(
     MAXP, NS, NSP, scale_log2, ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
-    WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr,
-    MAXS: tl.constexpr, PLAN_B: tl.constexpr,
+    WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr, WSPL: tl.constexpr, WROWS: tl.constexpr,
+    PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr,
 ):  # fmt: skip
-    """With shadow windows (``WS + WR > 0``) split index 0 of the grid reads each sequence's window rows
-    (BF16, exact in ``DT``) in place and stores its partial as split ``NS``; splits ``1..NS`` the pages. A
-    program with nothing to read (past its sequence's splits, or a window program of an empty sequence)
-    loads nothing and stores only its -inf log-sum-exp. The first page split of each sequence stores how many
+    """With shadow windows (``WS + WR > 0``) split indices ``0..WSPL-1`` of the grid read each sequence's
+    window rows (BF16, exact in ``DT``) in place, ``WROWS`` window positions each (a multiple of ``WBLOCK_T``),
+    and store their partials as splits ``NS..NS+WSPL-1``; the splits after them read the pages. A program with
+    nothing to read (past its sequence's splits, or a window program past its sequence's window) loads nothing
+    and stores only its -inf log-sum-exp. The first page split of each sequence stores how many
     page splits it has in ``NUSED`` (the combine reads those and the window's). Queries: strides ``SQB, SQH``
     (``Q``) and ``SRB, SRH`` (``QR``) per sequence and head, channels contiguous."""
     b = tl.program_id(0)
-    split = tl.program_id(1) - (1 if WS + WR > 0 else 0)  # -1: the window program
+    split = tl.program_id(1) - WSPL  # negative: window program ``program_id(1)``
     hg = tl.program_id(2)
     per = 0
     if PLAN:
         nsq = tl.num_programs(0)
         per = _pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
     n, kstart, p0, p1, used = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
-    active = tl.where(split >= 0, p0 < p1, tl.load(NPAGED + b) > 0)
+    w0 = tl.program_id(1) * WROWS  # a window program's first window position
+    active = tl.where(split >= 0, p0 < p1, tl.minimum(tl.load(NPAGED + b), WS + WR) > w0)
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
@@ -194,7 +196,7 @@ def _lowbit_kernel(
                 )  # fmt: skip
     elif WS + WR > 0:
         n = tl.load(NPAGED + b)
-        for t0 in range(0, tl.minimum(n, WS + WR), WBLOCK_T):
+        for t0 in range(w0, tl.minimum(tl.minimum(n, WS + WR), w0 + WROWS), WBLOCK_T):
             ptr, tmask = _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE, SUB, WS, WR, WBLOCK_T, DC + DR)
             c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3 = _row_planes(ptr, tmask, DC, PW, RPW, DT)
             m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
@@ -202,7 +204,7 @@ def _lowbit_kernel(
                 tmask, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT,
             )  # fmt: skip
 
-    split = tl.where(split >= 0, split, NS)
+    split = tl.where(split >= 0, split, NS + tl.program_id(1))
     has = l_i > 0
     inv = (1.0 / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
