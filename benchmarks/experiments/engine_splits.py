@@ -122,9 +122,14 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--scheme", default="c4r4", choices=["c4r4", "c2r4"])
     ap.add_argument("--chunks", default="", help="also time the default call at these combine chunks, e.g. 8,16,32")
-    ap.add_argument("--window-splits", default="", help="also time the default call with the window read by "
-                    "this many programs a sequence, e.g. 1,3,9")
-    ap.add_argument("--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)")
+    ap.add_argument(
+        "--window-splits",
+        default="",
+        help="also time the default call with the window read by this many programs a sequence, e.g. 1,3,9",
+    )
+    ap.add_argument(
+        "--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)"
+    )
     ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
     args = ap.parse_args()
     if args.splits:

@@ -462,7 +462,8 @@ def mla_decode(
             q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
-            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, num_warps=num_warps, **stages, **paged_regs,
+            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, num_warps=num_warps, **stages,
+            **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[grid](
