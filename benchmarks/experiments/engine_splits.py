@@ -10,7 +10,8 @@ next smaller captured size: ``splits_default``, what the plugin runs) and for an
 up (``splits_half``, the grid before the plugin passed ``min_batch``), at fixed counts (``splits_N``; before
 the plan, the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the
 default call on one layer repeated (what the stand-alone serving benchmark measured); ``--chunks`` and
-``--window-splits`` time the default call at other combine steps and window programs. Prints a markdown table
+``--window-splits`` time the default call at other combine steps and window programs, ``--fp16-partials`` the
+default and fixed split counts with float16 partials. Prints a markdown table
 of µs per call (median of ``--repeats`` replays).
 """
 
@@ -57,7 +58,8 @@ def graph_time(calls, repeats: int) -> float:
 
 
 def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4",
-         chunks: tuple[int, ...] = (), window_splits: tuple[int, ...] = ()) -> dict:  # fmt: skip
+         chunks: tuple[int, ...] = (), window_splits: tuple[int, ...] = (), fp16_partials: bool = False,
+         ) -> dict:  # fmt: skip
     torch.manual_seed(0)
     dev, bs, h = "cuda", 64, 16
     lay = RecordLayout(scheme)
@@ -107,6 +109,12 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         calls = [lambda s=s, k=k: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
                                              min_batch=lo, window_splits=k) for s in stores]  # fmt: skip
         row[f"window_splits_{k}_us"] = graph_time(calls, repeats)
+    for ns in SPLITS if fp16_partials else ():  # the split partials in float16, at the default and fixed counts
+        fixed = ns or None
+        calls = [lambda s=s, n=fixed: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
+                                                 num_splits=n, min_batch=lo, partial_dtype=torch.float16)
+                 for s in stores]  # fmt: skip
+        row[f"fp16_partials_splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
     one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
                                           min_batch=lo)]  # fmt: skip
     row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
@@ -127,6 +135,8 @@ def main() -> None:
         default="",
         help="also time the default call with the window read by this many programs a sequence, e.g. 1,3,9",
     )
+    ap.add_argument("--fp16-partials", action="store_true",
+                    help="also time the default and fixed split counts with the partials in float16")  # fmt: skip
     ap.add_argument(
         "--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)"
     )
@@ -142,7 +152,8 @@ def main() -> None:
     for real, length, batch, max_len in cases:
         chunks = tuple(int(c) for c in args.chunks.split(",") if c)
         wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
-        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits))
+        rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits,
+                         args.fp16_partials))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     cols = [k for k in rows[0] if k.endswith("_us")]
     print("| real x L | graph batch | table pages | old default splits | grid splits (half) | planned pages a split | "

@@ -248,6 +248,29 @@ def test_launcher_rejects_bad_inputs():
         mla_decode(q, qr, store, bt.long(), n_paged, 0.1)
     with pytest.raises(ValueError, match="maxnreg=300"):
         mla_decode(q, qr, store, bt, n_paged, 0.1, maxnreg=300)
+    with pytest.raises(ValueError, match="partial_dtype=torch.int32"):
+        mla_decode(q, qr, store, bt, n_paged, 0.1, partial_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("bits", SCHEMES[1:], ids=["c4r4", "c2r4"])
+def test_half_partials(bits):
+    """Split partials stored in float16 (quantised stores): within the reference's bounds, and within one
+    rounding of fp16 (relative to the output's scale) of the float32 partials' result; 7 splits and a window,
+    so the combine merges several rounded partials. A BF16 store keeps float32 partials."""
+    partial = torch.float16
+    case = make_case(*bits, [300, 77], [5, 3], 16, seed=6)
+    q, qr, store, bt, n_paged, window, wl = case
+    kw = dict(num_splits=7, out_dtype=torch.float32)
+    o32, lse32 = mla_decode(q, qr, store, bt, n_paged, 0.1, window, wl, **kw)
+    o, lse = mla_decode(q, qr, store, bt, n_paged, 0.1, window, wl, partial_dtype=partial, **kw)
+    ref_o, ref_lse = mla_decode_reference(q, qr, store, bt, n_paged, 0.1, window, wl)
+    check(o, lse, ref_o, ref_lse, same_precision_reference(*case[:5], 0.1, window, wl))
+    torch.testing.assert_close(lse, lse32)  # the log-sum-exps stay float32
+    eps = torch.finfo(partial).eps
+    assert 0 < (o - o32).abs().max() <= eps * o32.abs().max()
+    bf16 = make_case(16, 16, [30], [2], 4)
+    with pytest.raises(ValueError, match="quantised store"):
+        mla_decode(*bf16[:5], 0.1, partial_dtype=partial)
 
 
 def test_left_padding_masks():

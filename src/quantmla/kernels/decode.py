@@ -290,6 +290,7 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
 WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs of one warp
 COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS.md, "Used splits")
+PARTIAL_DTYPES = (torch.float32, torch.float16)  # the split partials' dtypes :func:`mla_decode` takes
 
 
 @functools.lru_cache(maxsize=64)
@@ -354,6 +355,7 @@ def mla_decode(
     shadow: ShadowWindow | None = None,
     min_batch: int | None = None,
     window_splits: int | None = None,
+    partial_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
 
@@ -376,6 +378,11 @@ def mla_decode(
             ``None`` under capture takes half of ``B``. Ignored outside a capture, where ``B`` is the batch.
         window_splits: with ``shadow``, the programs a (sequence, head group) that read its window rows, each
             a run of ``WINDOW_BLOCK_T``-row tiles; ``None`` takes :func:`default_window_splits`.
+        partial_dtype: the dtype of the splits' normalised partial outputs, written by the split programs and
+            read by the combine: ``float32``, or ``float16`` with a quantised store (its kernel computes in fp16
+            already, so no new range limit), which halves that traffic (at 48 x 4K as many bytes as the cache's)
+            and rounds each partial once. Log-sum-exps stay float32. (``bfloat16`` partials were tried: their
+            rounding exceeds the kernel's own error.)
         block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
             :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
     Returns:
@@ -415,6 +422,11 @@ def mla_decode(
         window_skip = zeros if window_skip is None else window_skip
     if paged_start.dtype != torch.int32 or window_skip.dtype != torch.int32:
         raise ValueError("paged_start and window_skip must be int32")
+    if partial_dtype not in PARTIAL_DTYPES:
+        raise ValueError(f"partial_dtype={partial_dtype}: one of {', '.join(map(str, PARTIAL_DTYPES))}")
+    if partial_dtype != torch.float32 and not lay.quantized:
+        raise ValueError(f"partial_dtype={partial_dtype} needs a quantised store (fp16 range); a BF16 store takes"
+                         " torch.float32")  # fmt: skip
     if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:
         raise ValueError(f"maxnreg={maxnreg}: a register cap must be 64..255, 0 (no cap) or None (the default)")
     if block_h is None:
@@ -445,7 +457,7 @@ def mla_decode(
     sh = (shadow.rows, shadow.map, shadow.rows.shape[0] - 1) if shadow is not None else (q_lat, block_table, 0)
     sub = shadow.sub if shadow is not None else SUB
     grid = (B, ns + wspl, hg)
-    op = torch.empty(B, nsp, H, DC, dtype=torch.float32, device=dev)
+    op = torch.empty(B, nsp, H, DC, dtype=partial_dtype, device=dev)
     lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
     # the CPU interpreter's bf16/fp16 dots are not numeric: it computes the dots in fp32
@@ -500,7 +512,7 @@ def mla_decode(
 
 def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
                    used: torch.Tensor | None = None, window_slots: int = 0):  # fmt: skip
-    """Merge split partials ``op [B, S, H, d_c]`` (float32, each normalised) with their log-sum-exps
+    """Merge split partials ``op [B, S, H, d_c]`` (float32 or a half dtype, each normalised) with their log-sum-exps
     ``lp [B, S, H]`` into ``o [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]``. ``used`` (int32 ``[B]``):
     read only each sequence's first ``used[b]`` splits and the last ``window_slots`` (the windows'); the
     other slots are neither read nor need to be written. Default: all ``S``."""
