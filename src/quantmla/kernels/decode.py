@@ -10,7 +10,8 @@ Work split (split-KV): program ``(b, split, head_group)`` walks a contiguous ran
 and dequantised once per head group (once per sequence for h <= 64). The unquantised tokens of a
 sequence (sinks and the recent window) form one more split: either a small BF16 buffer, read by a
 second launch (:func:`_window_kernel`), or BF16 shadow rows read in place through a slot map
-(:class:`ShadowWindow`, an engine's low-bit pages), by one more program of the same launch. A combine pass
+(:class:`ShadowWindow`, an engine's low-bit pages), by more programs of the same launch (several at small
+batches, :func:`default_window_splits`), each a split of its own. A combine pass
 merges the splits by log-sum-exp. How many pages a split reads is planned on the device from the lengths
 (:mod:`quantmla.kernels.splits`), so that a CUDA graph's batch, padded with empty sequences, splits as its real
 one; the grid holds :func:`~quantmla.kernels.splits.split_capacity` splits a sequence.
@@ -380,9 +381,9 @@ def mla_decode(
             a run of ``WINDOW_BLOCK_T``-row tiles; ``None`` takes :func:`default_window_splits`.
         partial_dtype: the dtype of the splits' normalised partial outputs, written by the split programs and
             read by the combine: ``float32``, or ``float16`` with a quantised store (its kernel computes in fp16
-            already, so no new range limit), which halves that traffic (at 48 x 4K as many bytes as the cache's)
-            and rounds each partial once. Log-sum-exps stay float32. (``bfloat16`` partials were tried: their
-            rounding exceeds the kernel's own error.)
+            already, so no new range limit), which halves that traffic (at 48 x 4K, written and read back, about
+            as many bytes as the records the splits read) and rounds each partial once. Log-sum-exps stay
+            float32. (``bfloat16`` partials were tried: their rounding exceeds the kernel's own error.)
         block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
             :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
     Returns:

@@ -114,7 +114,7 @@ def _lowbit_kernel(
     and store their partials as splits ``NS..NS+WSPL-1``; the splits after them read the pages. A program with
     nothing to read (past its sequence's splits, or a window program past its sequence's window) loads nothing
     and stores only its -inf log-sum-exp. The first page split of each sequence stores how many
-    page splits it has in ``NUSED`` (the combine reads those and the window's). Queries: strides ``SQB, SQH``
+    page splits it has in ``NUSED`` (the combine reads those and the windows'). Queries: strides ``SQB, SQH``
     (``Q``) and ``SRB, SRH`` (``QR``) per sequence and head, channels contiguous."""
     b = tl.program_id(0)
     split = tl.program_id(1) - WSPL  # negative: window program ``program_id(1)``
