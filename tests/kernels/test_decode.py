@@ -187,12 +187,13 @@ def test_combine_against_float64(block_d, monkeypatch):
     torch.testing.assert_close(lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [8, 32])
+@pytest.mark.parametrize("chunk", [8, 32, 128])
 @pytest.mark.parametrize("wins", [0, 1, 3])
 def test_combine_reads_only_the_used_splits(wins, chunk, monkeypatch):
     """With per-sequence counts of splits that have tokens (a CUDA graph's grid holds more), the merge reads
     splits ``[0, used[b])`` and the last ``wins`` slots (the windows'); the slots between hold finite partials
-    here that would change the result if they were read. Steps of 8 and 32 splits (more than the grid's 21)."""
+    here that would change the result if they were read. Steps of 8, 32 and 128 splits (the last two more than
+    the grid's 21; 128 on four warps)."""
     import quantmla.kernels.decode as dec
 
     monkeypatch.setattr(dec, "COMBINE_CHUNK", chunk)

@@ -289,8 +289,8 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
 #: window rows per tile of the low-bit kernel's window program: its registers come on top of the page
 #: loop's (the kernel's 255 at 16 heads); ptxas for sm_90 spills 160 bytes at 16, 1356 at 64
 WINDOW_BLOCK_T = 16
-COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs of one warp
-COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS.md, "Used splits")
+COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs
+COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS.md, "Used splits"); a warp per 32
 PARTIAL_DTYPES = (torch.float32, torch.float16)  # the split partials' dtypes :func:`mla_decode` takes
 
 
@@ -525,6 +525,6 @@ def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = 
     bd = min(DC, COMBINE_BLOCK_D)
     _combine_kernel[(B, H, triton.cdiv(DC, bd))](
         op, lp, o, lse, lp if used is None else used, H, nsp, DC=DC, BLOCK_D=bd, CHUNK=COMBINE_CHUNK,
-        USED=used is not None, WIN=window_slots, num_warps=1,
+        USED=used is not None, WIN=window_slots, num_warps=max(1, COMBINE_CHUNK // 32),
     )  # fmt: skip
     return o, lse
