@@ -89,36 +89,30 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
            "old_default_splits": default_num_splits(batch, 1, width, torch.device(dev)), "min_batch": lo,
            "grid_splits": cap, "grid_splits_half": split_capacity(batch, 1, width, torch.device(dev), -(-batch // 2)),
            "planned_pages_per_split": planned_pages_per_split(lens, 1, cap, bs, 4, 128)}  # fmt: skip
-    for ns in ["half", *SPLITS]:
-        fixed = ns if isinstance(ns, int) and ns else None
-        mb = None if ns == "half" else lo
-        calls = [lambda s=s, n=fixed, mb=mb: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1,
-                                                        shadow=s[1], num_splits=n, min_batch=mb)
-                 for s in stores]  # fmt: skip
-        row[f"splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
+
+    def timed(layer_stores=stores, n_calls=None, **kw) -> float:
+        """µs of the call a layer with ``mla_decode`` keywords ``kw`` (``min_batch`` the graph's by default)."""
+        kw = {"min_batch": lo} | kw
+        calls = [lambda s=s: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1], **kw)
+                 for s in layer_stores]  # fmt: skip
+        return graph_time(calls * (n_calls or 1), repeats)
+
+    row["splits_half_us"] = timed(min_batch=None)  # any batch from half the graph's up
+    for ns in SPLITS:
+        row[f"splits_{ns or 'default'}_us"] = timed(num_splits=ns or None)
     import quantmla.kernels.decode as dec
 
     default_chunk = dec.COMBINE_CHUNK
     for c in chunks:  # the combine's splits a step (the default call otherwise)
         dec.COMBINE_CHUNK = c
-        calls = [lambda s=s: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
-                                        min_batch=lo) for s in stores]  # fmt: skip
-        row[f"combine_chunk_{c}_us"] = graph_time(calls, repeats)
+        row[f"combine_chunk_{c}_us"] = timed()
     dec.COMBINE_CHUNK = default_chunk
     for k in window_splits:  # the window's rows over k programs a sequence (the default call otherwise)
-        calls = [lambda s=s, k=k: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
-                                             min_batch=lo, window_splits=k) for s in stores]  # fmt: skip
-        row[f"window_splits_{k}_us"] = graph_time(calls, repeats)
+        row[f"window_splits_{k}_us"] = timed(window_splits=k)
     for ns in SPLITS if fp16_partials else ():  # the split partials in float16, at the default and fixed counts
-        fixed = ns or None
-        calls = [lambda s=s, n=fixed: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
-                                                 num_splits=n, min_batch=lo, partial_dtype=torch.float16)
-                 for s in stores]  # fmt: skip
-        row[f"fp16_partials_splits_{ns or 'default'}_us"] = graph_time(calls, repeats)
-    one = [lambda s=stores[0]: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1],
-                                          min_batch=lo)]  # fmt: skip
-    row["one_layer_repeated_us"] = graph_time(one * layers, repeats)
-    del stores, one, calls
+        row[f"fp16_partials_splits_{ns or 'default'}_us"] = timed(num_splits=ns or None, partial_dtype=torch.float16)
+    row["one_layer_repeated_us"] = timed(stores[:1], layers)  # one layer's call, as many times
+    del stores
     torch.cuda.empty_cache()
     return row
 
