@@ -42,7 +42,7 @@ setup)
   printf '[vllm.general_plugins]\nquantmla = quantmla.serving.vllm:register\n' > "$d/entry_points.txt"
   python -c "import vllm; print('vllm', vllm.__version__)";;
 sweep)
-  python benchmarks/experiments/engine_splits.py --splits "${SPLITS:-8,11,16,22,64,128}" --fp16-partials \
+  python benchmarks/experiments/engine_splits.py --splits "${SPLITS:-4,6,8,11,16,22,64,128}" --fp16-partials \
     --chunks "${CHUNKS:-32,64,128}" --json "$out/engine-splits.json" \
     --cases "${CASES:-48x4096/48/33792,40x4096/48/33792,5x32768/8/33792,8x32768/8/33792,1x4096/1/33792,1x32768/1/33792}" \
     | grep "^|";;

@@ -12,14 +12,20 @@ the plan, the default was ``old_default_splits``, fixed by the graph's batch and
 default call on one layer repeated (what the stand-alone serving benchmark measured); ``--chunks`` and
 ``--window-splits`` time the default call at other combine steps and window programs, ``--fp16-partials`` the
 default and fixed split counts with float16 partials. Prints a markdown table
-of µs per call (median of ``--repeats`` replays).
+of µs per call (median of ``--repeats`` replays); ``--json`` is rewritten after each case, so a run cut short
+keeps the cases it finished.
+
+``--device cpu`` is a dry run of the same calls under Triton's interpreter (``TRITON_INTERPRET=1``), timed
+without a graph: its figures mean nothing, it checks that every variant runs before a GPU call is spent.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import time
 
 import torch
 
@@ -37,8 +43,17 @@ SPLITS = [0, 22, 33, 44, 53, 66, 88]
 VLLM_SIZES = [1, 2, 4, *range(8, 256, 8)]  # vLLM 0.26's default decode capture sizes (to max_num_seqs x 2)
 
 
-def graph_time(calls, repeats: int) -> float:
-    """Median µs of one call in a CUDA graph of ``calls`` (a list of closures), replayed ``repeats`` times."""
+def graph_time(calls, repeats: int, dev: str = "cuda") -> float:
+    """Median µs of one call in a CUDA graph of ``calls`` (a list of closures), replayed ``repeats`` times;
+    on the CPU (a dry run) the calls in order, by the wall clock."""
+    if dev != "cuda":
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for fn in calls:
+                fn()
+            ts.append((time.perf_counter() - t0) * 1e6 / len(calls))
+        return statistics.median(ts)
     for fn in calls[:3]:
         fn()
     torch.cuda.synchronize()
@@ -59,9 +74,9 @@ def graph_time(calls, repeats: int) -> float:
 
 def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4",
          chunks: tuple[int, ...] = (), window_splits: tuple[int, ...] = (), fp16_partials: bool = False,
-         ) -> dict:  # fmt: skip
+         dev: str = "cuda") -> dict:  # fmt: skip
     torch.manual_seed(0)
-    dev, bs, h = "cuda", 64, 16
+    bs, h = 64, 16
     lay = RecordLayout(scheme)
     width = -(-max_len // bs)
     pages = -(-length // bs)
@@ -95,7 +110,7 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         kw = {"min_batch": lo} | kw
         calls = [lambda s=s: mla_decode(q[..., :512], q[..., 512:], s[0], table, lens, 0.1, shadow=s[1], **kw)
                  for s in layer_stores]  # fmt: skip
-        return graph_time(calls * (n_calls or 1), repeats)
+        return graph_time(calls * (n_calls or 1), repeats, dev)
 
     row["splits_half_us"] = timed(min_batch=None)  # any batch from half the graph's up
     for ns in SPLITS:
@@ -113,7 +128,8 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         row[f"fp16_partials_splits_{ns or 'default'}_us"] = timed(num_splits=ns or None, partial_dtype=torch.float16)
     row["one_layer_repeated_us"] = timed(stores[:1], layers)  # one layer's call, as many times
     del stores
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -135,7 +151,13 @@ def main() -> None:
         "--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)"
     )
     ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a dry run under Triton's interpreter (figures meaningless)")  # fmt: skip
     args = ap.parse_args()
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (--device cpu with TRITON_INTERPRET=1 is a dry run)")
     if args.splits:
         SPLITS[1:] = [] if args.splits == "none" else [int(n) for n in args.splits.split(",")]
     rows = []
@@ -147,8 +169,11 @@ def main() -> None:
         chunks = tuple(int(c) for c in args.chunks.split(",") if c)
         wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
         rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits,
-                         args.fp16_partials))  # fmt: skip
+                         args.fp16_partials, args.device))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        if args.json:  # after each case: a run cut short keeps what it finished
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     cols = [k for k in rows[0] if k.endswith("_us")]
     print("| real x L | graph batch | table pages | old default splits | grid splits (half) | planned pages a split | "
           + " | ".join(cols) + " |")  # fmt: skip
@@ -157,9 +182,6 @@ def main() -> None:
         print(f"| {r['real']} x {r['L']} | {r['graph_batch']} | {r['table_pages']} | {r['old_default_splits']} | "
               f"{r['grid_splits']} ({r['grid_splits_half']}) | {r['planned_pages_per_split']} | "
               + " | ".join(f"{r[c]:.1f}" for c in cols) + " |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
