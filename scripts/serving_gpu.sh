@@ -5,8 +5,9 @@
 #                                              copied to /tmp/wheel-parts first) and quantmla's plugin entry point
 #   bash scripts/serving_gpu.sh kernels        the kernel and window tests on the GPU (against torch and float64)
 #   bash scripts/serving_gpu.sh sweep          the decode kernel the engine's way (engine_splits.py): fixed split
-#                                              counts SPLITS, float16 partials and the combine's steps CHUNKS on
-#                                              CASES; needs no vLLM, so it can share the first wheel-part call
+#                                              counts SPLITS, float16 partials, the combine's steps CHUNKS and
+#                                              launches LAUNCHES (BLOCK_T/WARPS/STAGES) on CASES; needs no vLLM, so
+#                                              it can share the first wheel-part call
 #   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16)
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #                                              (DECODE_CASES: requests x context, comma list)
@@ -43,7 +44,8 @@ setup)
   python -c "import vllm; print('vllm', vllm.__version__)";;
 sweep)
   python benchmarks/experiments/engine_splits.py --splits "${SPLITS:-4,6,8,11,16,22,64,128}" --fp16-partials \
-    --chunks "${CHUNKS:-32,64,128}" --json "$out/engine-splits.json" \
+    --chunks "${CHUNKS:-32,64,128}" --launches "${LAUNCHES:-32/4/2,32/4/3,64/8/2,64/4/3}" \
+    --json "$out/engine-splits.json" \
     --cases "${CASES:-48x4096/48/33792,40x4096/48/33792,5x32768/8/33792,8x32768/8/33792,1x4096/1/33792,1x32768/1/33792}" \
     | grep "^|";;
 kernels)

@@ -11,7 +11,9 @@ up (``splits_half``, the grid before the plugin passed ``min_batch``), at fixed 
 the plan, the default was ``old_default_splits``, fixed by the graph's batch and the table width), and the
 default call on one layer repeated (what the stand-alone serving benchmark measured); ``--chunks`` and
 ``--window-splits`` time the default call at other combine steps and window programs, ``--fp16-partials`` the
-default and fixed split counts with float16 partials. Prints a markdown table
+default and fixed split counts with float16 partials, ``--launches`` the default call at other launch parameters
+(tile rows / warps / pipeline stages; the defaults were tuned at 32 x 64K, where a split reads far more pages
+than at 48 x 4K). Prints a markdown table
 of µs per call (median of ``--repeats`` replays); ``--json`` is rewritten after each case, so a run cut short
 keeps the cases it finished.
 
@@ -74,7 +76,7 @@ def graph_time(calls, repeats: int, dev: str = "cuda") -> float:
 
 def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats: int, scheme: str = "c4r4",
          chunks: tuple[int, ...] = (), window_splits: tuple[int, ...] = (), fp16_partials: bool = False,
-         dev: str = "cuda") -> dict:  # fmt: skip
+         dev: str = "cuda", launches: tuple[tuple[int, int, int], ...] = ()) -> dict:  # fmt: skip
     torch.manual_seed(0)
     bs, h = 64, 16
     lay = RecordLayout(scheme)
@@ -126,6 +128,8 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         row[f"window_splits_{k}_us"] = timed(window_splits=k)
     for ns in SPLITS if fp16_partials else ():  # the split partials in float16, at the default and fixed counts
         row[f"fp16_partials_splits_{ns or 'default'}_us"] = timed(num_splits=ns or None, partial_dtype=torch.float16)
+    for t, w, st in launches:  # tile rows, warps, pipeline stages (the default call otherwise)
+        row[f"launch_{t}_{w}_{st}_us"] = timed(block_t=t, num_warps=w, num_stages=st)
     row["one_layer_repeated_us"] = timed(stores[:1], layers)  # one layer's call, as many times
     del stores
     if dev == "cuda":
@@ -151,6 +155,8 @@ def main() -> None:
         "--splits", default="", help="the fixed split counts timed (default: 22,33,44,53,66,88; none: no fixed counts)"
     )
     ap.add_argument("--cases", default="", help="e.g. 5x32768/8/33792 (real x L / graph batch / max len), comma list")
+    ap.add_argument("--launches", default="",
+                    help="also time the default call at BLOCK_T/WARPS/STAGES launches, e.g. 32/4/2,64/8/2")  # fmt: skip
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run under Triton's interpreter (figures meaningless)")  # fmt: skip
     args = ap.parse_args()
@@ -160,6 +166,9 @@ def main() -> None:
         raise SystemExit("--device cuda: no CUDA device here (--device cpu with TRITON_INTERPRET=1 is a dry run)")
     if args.splits:
         SPLITS[1:] = [] if args.splits == "none" else [int(n) for n in args.splits.split(",")]
+    launches = tuple(tuple(int(x) for x in la.split("/")) for la in args.launches.split(",") if la)
+    if any(len(la) != 3 or la[0] not in (16, 32, 64) for la in launches):
+        raise SystemExit(f"--launches {args.launches!r}: BLOCK_T/WARPS/STAGES triples, BLOCK_T one of 16, 32, 64")
     rows = []
     cases = CASES
     if args.cases:
@@ -169,7 +178,7 @@ def main() -> None:
         chunks = tuple(int(c) for c in args.chunks.split(",") if c)
         wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
         rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits,
-                         args.fp16_partials, args.device))  # fmt: skip
+                         args.fp16_partials, args.device, launches))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
         if args.json:  # after each case: a run cut short keeps what it finished
             with open(args.json, "w") as f:

@@ -18,7 +18,7 @@ def test_dry_run_times_every_variant_and_keeps_finished_cases(tmp_path, monkeypa
     out = tmp_path / "splits.json"
     # the second case has more real requests than its graph's batch: it fails after the first has finished
     argv = ["engine_splits.py", "--device", "cpu", "--layers", "1", "--repeats", "1", "--splits", "3",
-            "--fp16-partials", "--chunks", "64", "--window-splits", "2", "--scheme", "c2r4",
+            "--fp16-partials", "--chunks", "64", "--window-splits", "2", "--launches", "32/4/2", "--scheme", "c2r4",
             "--cases", "1x200/2/512,3x200/2/512", "--json", str(out)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(RuntimeError):
@@ -30,7 +30,7 @@ def test_dry_run_times_every_variant_and_keeps_finished_cases(tmp_path, monkeypa
     timed = {k for k in row if k.endswith("_us")}
     assert timed == {"splits_half_us", "splits_default_us", "splits_3_us", "combine_chunk_64_us",
                      "window_splits_2_us", "fp16_partials_splits_default_us", "fp16_partials_splits_3_us",
-                     "one_layer_repeated_us"}  # fmt: skip
+                     "launch_32_4_2_us", "one_layer_repeated_us"}  # fmt: skip
     assert all(row[k] > 0 for k in timed)
     import quantmla.kernels.decode as dec
 
