@@ -13,9 +13,8 @@ default call on one layer repeated (what the stand-alone serving benchmark measu
 ``--window-splits`` time the default call at other combine steps and window programs, ``--fp16-partials`` the
 default and fixed split counts with float16 partials, ``--launches`` the default call at other launch parameters
 (tile rows / warps / pipeline stages; the defaults were tuned at 32 x 64K, where a split reads far more pages
-than at 48 x 4K). Prints a markdown table
-of µs per call (median of ``--repeats`` replays); ``--json`` is rewritten after each case, so a run cut short
-keeps the cases it finished.
+than at 48 x 4K). Prints a markdown table of µs per call (median of ``--repeats`` replays); ``--json`` is
+rewritten after each case, so a run cut short keeps the cases it finished.
 
 ``--device cpu`` is a dry run of the same calls under Triton's interpreter (``TRITON_INTERPRET=1``), timed
 without a graph: its figures mean nothing, it checks that every variant runs before a GPU call is spent.
