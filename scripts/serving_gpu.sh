@@ -54,7 +54,7 @@ test)
   python -m pytest -q -s tests/serving/test_vllm_gpu.py -p no:cacheprovider;;
 decode)
   python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20 \
-    --decode-cases "${DECODE_CASES:-5x32768,48x6144,32x65536,8x131072}";;
+    ${DECODE_CASES:+--decode-cases "$DECODE_CASES"};;
 pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
@@ -94,6 +94,6 @@ for prompt in ["The capital of France is", "Once upon a time"]:
 PY
   kill "$pid" 2> /dev/null; wait "$pid" || true
   grep -i -E "quantmla|kv cache|maximum concurrency|error" "$out/serve.log" | head -30;;
-*) sed -n '2,28p' "$0"; exit 2;;
+*) sed -n '2,/^# Results go to/p' "$0"; exit 2;;
 esac
 cp "$out/serving.json" /tmp/serving.json 2>/dev/null || true
