@@ -46,7 +46,7 @@ sweep)
   python benchmarks/experiments/engine_splits.py --splits "${SPLITS:-4,6,8,11,16,22,64,128}" --fp16-partials \
     --chunks "${CHUNKS:-32,64,128}" --launches "${LAUNCHES:-32/4/2,32/4/3,64/8/2,64/4/3}" \
     --json "$out/engine-splits.json" \
-    --cases "${CASES:-48x4096/48/33792,40x4096/48/33792,5x32768/8/33792,8x32768/8/33792,1x4096/1/33792,1x32768/1/33792}" \
+    --cases "${CASES:-48x4096/48/33792,40x4096/48/33792,5x32768/8/33792,8x32768/8/33792,1x4096/1/33792,1x32768/1/33792,8x131072/8/132096}" \
     | grep "^|";;
 kernels)
   python -m pytest -q -p no:cacheprovider tests/kernels tests/serving/test_shadow_kernels.py tests/serving/test_windows.py;;
