@@ -173,9 +173,9 @@ def main() -> None:
     if args.cases:
         cases = [(int(c.split("x")[0]), int(c.split("x")[1].split("/")[0]), int(c.split("/")[1]), int(c.split("/")[2]))
                  for c in args.cases.split(",")]  # fmt: skip
+    chunks = tuple(int(c) for c in args.chunks.split(",") if c)
+    wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
     for real, length, batch, max_len in cases:
-        chunks = tuple(int(c) for c in args.chunks.split(",") if c)
-        wsplits = tuple(int(k) for k in args.window_splits.split(",") if k)
         rows.append(case(real, length, batch, max_len, args.layers, args.repeats, args.scheme, chunks, wsplits,
                          args.fp16_partials, args.device, launches))  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
