@@ -62,10 +62,20 @@ def kv_tokens_for(scheme: str, budget_mib: float, max_num_seqs: int, windows: tu
 
 
 def replay(
-    workload: str, kv_tokens: int, max_num_seqs: int, max_num_batched_tokens: int = 16384, watermark: float = 0.0
+    workload: str,
+    kv_tokens: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 16384,
+    watermark: float = 0.0,
+    held_blocks: int = 0,
 ) -> dict:
     """Steps, preemptions and prefill tokens of ``workload`` (``NxPROMPT+OUTPUT``) on an engine of
-    ``kv_tokens`` (whole blocks of 64; vLLM's null block comes out of them, as on the engine)."""
+    ``kv_tokens`` (whole blocks of 64; vLLM's null block comes out of them, as on the engine).
+
+    ``held_blocks``: a design the plugin does not have, replayed to see what it would give. Each running
+    request's shadows are taken from vLLM's block pool, ``held_blocks`` blocks a request, instead of a
+    reserve sized by ``max_num_seqs``. Before each step the scheduler holds that many blocks for each
+    request running after the previous one, and releases the rest."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
@@ -91,7 +101,21 @@ def replay(
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D_LATENT + D_ROPE, dtype=torch.bfloat16)
     kv = KVCacheConfig(num_blocks=kv_tokens // BLOCK, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(layer_names=["attn"], kv_cache_spec=spec)])  # fmt: skip
-    sched = AsyncScheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
+
+    class HeldShadows(AsyncScheduler):
+        held: list = []
+
+        def schedule(self, *args, **kwargs):
+            pool, want = self.kv_cache_manager.block_pool, held_blocks * len(self.running)
+            if len(self.held) > want:
+                pool.free_blocks(self.held[want:])
+                self.held = self.held[:want]
+            else:
+                self.held = self.held + pool.get_new_blocks(min(want - len(self.held), pool.get_num_free_blocks()))
+            return super().schedule(*args, **kwargs)
+
+    scheduler_cls = HeldShadows if held_blocks else AsyncScheduler
+    sched = scheduler_cls(cfg, kv, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
     init_none_hash(sha256_cbor)
     hasher = get_request_block_hasher(BLOCK, sha256_cbor)
 
@@ -132,7 +156,8 @@ def replay(
     for i, ids in enumerate(serving_pressure.prompts_for(n, prompt, 1)):
         add(str(i), ids, output)
     run(count=True)
-    return dict(workload=workload, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, watermark=watermark, **counts)
+    return dict(workload=workload, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, watermark=watermark,
+                held_blocks=held_blocks, **counts)  # fmt: skip
 
 
 def main() -> None:
@@ -145,6 +170,12 @@ def main() -> None:
     p.add_argument("--max-num-seqs", default="48", help="comma list")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--watermark", default="0", help="comma list: vLLM's scheduler watermark (blocks kept free)")
+    p.add_argument(
+        "--held-blocks",
+        type=int,
+        default=0,
+        help="each running request's shadows as this many blocks of vLLM's pool (a design replayed)",
+    )
     p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -159,11 +190,11 @@ def main() -> None:
         caps += [int(v) for v in a.kv_tokens.split(",") if v]
         for cap in caps:
             for wm in [float(v) for v in a.watermark.split(",")]:
-                r = replay(a.workload, cap, seqs, a.max_num_batched_tokens, wm)
+                r = replay(a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks)
                 rows.append(r | {"scheme": a.scheme or "-"})
-    keys = ["workload", "kv_tokens", "max_num_seqs", "watermark", "steps", "prefill_steps", "prefill_tokens",
-            "preemptions", "peak_running", "measured_steps", "measured_preemptions", "measured_prefill_tokens",
-            "measured_label"]  # fmt: skip
+    keys = ["workload", "kv_tokens", "max_num_seqs", "watermark", "held_blocks", "steps", "prefill_steps",
+            "prefill_tokens", "preemptions", "peak_running", "measured_steps", "measured_preemptions",
+            "measured_prefill_tokens", "measured_label"]  # fmt: skip
     keys = [k for k in keys if any(k in r for r in rows)]
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
