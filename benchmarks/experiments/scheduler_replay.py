@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/: serving_pressure's model co
 import serving_pressure  # noqa: E402
 
 BLOCK = 64
+SCHEMES = ("bf16-vllm", "bf16", "c4r4", "c2r4", "c8r8", "fp8")  # vLLM's own BF16 cache, then the plugin's records
 LAYERS = 27  # DeepSeek-V2-Lite
 D_LATENT, D_ROPE = 512, 64
 
@@ -118,7 +119,9 @@ def replay(
                        kv_cache_groups=[KVCacheGroupSpec(layer_names=["attn"], kv_cache_spec=spec)])  # fmt: skip
 
     class HeldShadows(AsyncScheduler):
-        held: list = []
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.held: list = []
 
         def schedule(self, *args, **kwargs):
             pool, want = self.kv_cache_manager.block_pool, held_blocks * len(self.running)
@@ -179,7 +182,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="48x4096+2048")
     p.add_argument("--kv-tokens", default="", help="comma list of KV capacities (tokens)")
-    p.add_argument("--scheme", default="", help="size the cache by the storage formula: c4r4, c2r4, bf16")
+    p.add_argument("--scheme", default="", help="size the cache by the storage formula: " + ", ".join(SCHEMES))
     p.add_argument("--budget-mib", type=float, default=2048.0)
     p.add_argument("--windows", default="4,128")
     p.add_argument("--max-num-seqs", default="48", help="comma list")
@@ -194,6 +197,13 @@ def main() -> None:
     p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if a.scheme and a.scheme not in SCHEMES:
+        p.error(f"--scheme {a.scheme!r}: valid: {', '.join(SCHEMES)}")
+    try:
+        serving_pressure.parse_workloads(a.workload)
+        win = tuple(int(v) for v in a.windows.split(","))
+    except ValueError:
+        p.error(f"--workload {a.workload!r} / --windows {a.windows!r}: want e.g. 48x4096+2048 and 4,128")
     import vllm
 
     use_cpu_platform_if_none()
@@ -203,7 +213,6 @@ def main() -> None:
         for m in MEASURED:
             r = replay(m["workload"], m["kv_tokens"], m["max_num_seqs"], a.max_num_batched_tokens)
             rows.append(r | {f"measured_{k}": m[k] for k in ("steps", "preemptions", "prefill_tokens", "label")})
-    win = tuple(int(v) for v in a.windows.split(","))
     for seqs in [int(v) for v in a.max_num_seqs.split(",")]:
         caps = [kv_tokens_for(a.scheme, a.budget_mib, seqs, win)] if a.scheme else []
         caps += [int(v) for v in a.kv_tokens.split(",") if v]
