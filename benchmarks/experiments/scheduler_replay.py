@@ -84,6 +84,7 @@ def replay(
     max_num_batched_tokens: int = 16384,
     watermark: float = 0.0,
     held_blocks: int = 0,
+    full_prompt_admission: bool = True,
 ) -> dict:
     """Steps, preemptions and prefill tokens of ``workload`` (``NxPROMPT+OUTPUT``) on an engine of
     ``kv_tokens`` (whole blocks of 64; vLLM's null block comes out of them, as on the engine).
@@ -91,7 +92,10 @@ def replay(
     ``held_blocks``: a design the plugin does not have, replayed to see what it would give. Each running
     request's shadows are taken from vLLM's block pool, ``held_blocks`` blocks a request, instead of a
     reserve sized by ``max_num_seqs``. Before each step the scheduler holds that many blocks for each
-    request running after the previous one, and releases the rest."""
+    request running after the previous one, and releases the rest.
+
+    ``full_prompt_admission``: vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is
+    admitted only when its whole prompt fits."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
@@ -112,6 +116,7 @@ def replay(
     sc = cfg.scheduler_config
     sc.max_num_batched_tokens, sc.enable_chunked_prefill, sc.async_scheduling = max_num_batched_tokens, True, True
     sc.max_num_scheduled_tokens, sc.watermark = max_num_batched_tokens, watermark
+    sc.scheduler_reserve_full_isl = full_prompt_admission
     cfg.cache_config.block_size, cfg.cache_config.enable_prefix_caching = BLOCK, True
     cfg.cache_config.num_gpu_blocks = kv_tokens // BLOCK
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D_LATENT + D_ROPE, dtype=torch.bfloat16)
@@ -175,7 +180,7 @@ def replay(
         add(str(i), ids, output)
     run(count=True)
     return dict(workload=workload, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, watermark=watermark,
-                held_blocks=held_blocks, **counts)  # fmt: skip
+                held_blocks=held_blocks, full_prompt_admission=full_prompt_admission, **counts)  # fmt: skip
 
 
 def main() -> None:
@@ -193,6 +198,11 @@ def main() -> None:
         type=int,
         default=0,
         help="each running request's shadows as this many blocks of vLLM's pool (a design replayed)",
+    )
+    p.add_argument(
+        "--no-full-prompt-admission",
+        action="store_true",
+        help="admit a request before its whole prompt fits (vLLM's scheduler_reserve_full_isl off)",
     )
     p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
     p.add_argument("--json", type=Path)
@@ -218,7 +228,9 @@ def main() -> None:
         caps += [int(v) for v in a.kv_tokens.split(",") if v]
         for cap in caps:
             for wm in [float(v) for v in a.watermark.split(",")]:
-                r = replay(a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks)
+                r = replay(
+                    a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks, not a.no_full_prompt_admission
+                )
                 rows.append(r | {"scheme": a.scheme or "-"})
     keys = ["workload", "kv_tokens", "max_num_seqs", "watermark", "held_blocks", "steps", "prefill_steps",
             "prefill_tokens", "preemptions", "peak_running", "measured_steps", "measured_preemptions",
