@@ -53,16 +53,16 @@ MEASURED = [
 def kv_tokens_for(scheme: str, budget_mib: float, max_num_seqs: int, windows: tuple[int, int]) -> int:
     """KV tokens of quantmla's plugin at ``budget_mib`` on DeepSeek-V2-Lite (the storage formula the
     plugin's blocks follow: each layer's shadow rows, sized by ``max_num_seqs``, come off the budget)."""
-    from quantmla.serving.records import RecordLayout
-    from quantmla.serving.windows import WindowConfig
+    import torch
 
-    own = scheme.endswith("-vllm")  # vLLM's own BF16 cache: 1152 bytes a token, no windows
-    record = 2 * (D_LATENT + D_ROPE) if own else RecordLayout(scheme, D_LATENT, D_ROPE, 64).record_bytes
+    from quantmla.serving.records import RecordLayout
+    from quantmla.serving.windows import ShadowRows, WindowConfig
+
+    layout = RecordLayout(scheme.removesuffix("-vllm"), D_LATENT, D_ROPE, 64)  # vLLM's own BF16: the bf16 record
     shadow = 0
-    if any(windows) and not own and scheme != "bf16":
-        rows = WindowConfig(sink=windows[0], recent=windows[1]).shadow_rows(max_num_seqs) + 1  # + scratch row
-        shadow = rows * (D_LATENT + D_ROPE) * 2
-    return (int(budget_mib * 2**20) - LAYERS * shadow) // (LAYERS * BLOCK * record) * BLOCK
+    if any(windows) and not scheme.endswith("-vllm") and layout.cache_scheme.quantized:  # the plugin's windows
+        shadow = ShadowRows(WindowConfig(*windows), max_num_seqs, D_LATENT + D_ROPE, torch.bfloat16, "meta").nbytes
+    return (int(budget_mib * 2**20) - LAYERS * shadow) // (LAYERS * BLOCK * layout.record_bytes) * BLOCK
 
 
 def use_cpu_platform_if_none() -> None:
@@ -212,8 +212,10 @@ def main() -> None:
     try:
         serving_pressure.parse_workloads(a.workload)
         win = tuple(int(v) for v in a.windows.split(","))
+        watermarks = [float(v) for v in a.watermark.split(",")]
     except ValueError:
-        p.error(f"--workload {a.workload!r} / --windows {a.windows!r}: want e.g. 48x4096+2048 and 4,128")
+        p.error(f"--workload {a.workload!r} / --windows {a.windows!r} / --watermark {a.watermark!r}: want e.g."
+                " 48x4096+2048, 4,128 and 0,0.05")  # fmt: skip
     import vllm
 
     use_cpu_platform_if_none()
@@ -227,7 +229,7 @@ def main() -> None:
         caps = [kv_tokens_for(a.scheme, a.budget_mib, seqs, win)] if a.scheme else []
         caps += [int(v) for v in a.kv_tokens.split(",") if v]
         for cap in caps:
-            for wm in [float(v) for v in a.watermark.split(",")]:
+            for wm in watermarks:
                 r = replay(
                     a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks, not a.no_full_prompt_admission
                 )
