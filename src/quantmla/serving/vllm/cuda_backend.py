@@ -127,13 +127,10 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         # the decode graph of each captured batch replays the batches above the next captured size down
         sizes = capture_sizes()
         self.min_batches = {b: graph_min_batch(b, sizes) for b in sizes or ()}
-        # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
-        # splits and the combine; BENCHMARKS.md has the H200 timings), float32 for BF16 records (fp16's range)
-        self.partial_dtype = torch.float16 if self.layout is not None and self.layout.quantized else torch.float32
         if sel is not None and self.kernel:
-            log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s),"
-                     " partials in %s", "from its capture sizes" if sizes else "capture sizes unknown: half its"
-                     " batch up", str(self.partial_dtype).removeprefix("torch."))  # fmt: skip
+            log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s);"
+                     " split partials in float16 (float32 for BF16 records)",
+                     "from its capture sizes" if sizes else "capture sizes unknown: half its batch up")  # fmt: skip
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:
@@ -190,6 +187,9 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
             self._pages = (key, KernelPages(kv_c_and_k_pe_cache, self.layout))
+        # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
+        # splits and the combine; BENCHMARKS.md has the H200 timings), float32 for BF16 records (fp16's range)
+        partials = torch.float16 if self._pages[1].layout.quantized else torch.float32
         shadow = None
         if self.windows is not None:  # the window rows read in place by the kernel (no gather)
             from quantmla.kernels.decode import ShadowWindow
@@ -198,7 +198,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
         return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
                           shadow=shadow, min_batch=self.min_batches.get(dec.block_table.shape[0]),
-                          partial_dtype=self.partial_dtype)  # fmt: skip
+                          partial_dtype=partials)  # fmt: skip
 
 
 def patch_kv_cache_spec() -> None:
