@@ -55,10 +55,11 @@ def test_split_capacity_covers_the_batches_a_graph_replays():
 
 
 def test_large_batches_of_short_sequences_take_four_programs_an_sm(monkeypatch):
-    """Past 32 programs a split index, a plan of eight programs an SM that would leave fewer than 8 pages a
+    """Past 32 programs a split index, a plan of eight programs an SM that would leave fewer than 4 pages a
     split takes four (48 x 4K on the H200's 132 SMs: 11 splits of 6 pages, not 22 of 3, where each split's
-    partial costs as much traffic as half its records); longer sequences keep eight. The device plans the
-    same (Triton's interpreter on the CPU, with the SM count patched)."""
+    partial costs as much traffic as half its records); longer sequences keep eight, and so does 128 x 4K
+    (9 splits of 7 pages, which beat four an SM on the H200). The device plans the same (Triton's interpreter
+    on the CPU, with the SM count patched)."""
     from quantmla.kernels import splits
 
     monkeypatch.setattr(splits, "sm_count", lambda device: 132)
@@ -66,6 +67,7 @@ def test_large_batches_of_short_sequences_take_four_programs_an_sm(monkeypatch):
     assert splits.default_num_splits(48, 1, 62, dev) == 11
     assert splits.default_num_splits(48, 1, 510, dev) == 22  # 48 x 32K: 22 splits of 24 pages
     assert splits.default_num_splits(40, 1, 62, dev) == 14
+    assert splits.default_num_splits(128, 1, 64, dev) == 9
     lens = [4096] * 48
     cap = splits.split_capacity(48, 1, 528, dev, min_batch=41)
     per = splits.planned_pages_per_split(torch.tensor(lens, dtype=torch.int32, device=DEV), 1, cap, 64, 4, 128)

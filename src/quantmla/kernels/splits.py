@@ -50,7 +50,7 @@ def _pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR
     bh = seqs * HG
     c8 = tl.cdiv(8 * SMS, bh)
     small = bh <= 32
-    per_sm = tl.where(small & (mx < 4 * c8), 2, tl.where(small & (mx < 24 * c8), 4, tl.where(mx < 8 * c8, 4, 8)))
+    per_sm = tl.where(small & (mx < 4 * c8), 2, tl.where(small & (mx < 24 * c8), 4, tl.where(mx < 4 * c8, 4, 8)))
     ns = tl.minimum(tl.minimum(tl.cdiv(per_sm * SMS, bh), mx), MAXS)
     ns = tl.maximum(tl.minimum(ns, NS), 1)
     return tl.maximum(tl.maximum(tl.cdiv(tot, seqs * ns), tl.cdiv(mx, NS)), 1)
@@ -88,14 +88,15 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
     """Splits per sequence: about eight programs per SM (more, shorter programs even out the last wave),
     but for small batches (at most 32 programs per split index) two when that would leave fewer than 4
     pages per split and four when it would leave 4-24, and for larger ones four when it would leave fewer
-    than 8 (48 x 4K: 11 splits of 6 pages, not 22 of 3); at most one split per page and MAX_SPLITS splits.
+    than 4 (48 x 4K: 11 splits of 6 pages, not 22 of 3; 128 x 4K keeps 9 of 7); at most one split per page
+    and MAX_SPLITS splits.
     Each split costs a partial output to write and combine, so short splits lose. The H200 timings behind
     these thresholds are in BENCHMARKS.md. Integer arithmetic, as the kernels' own plan
     (:func:`_pages_per_split`) computes it on the device."""
     sms, bh = sm_count(device), batch * head_groups
     c8 = -(-8 * sms // bh)  # ceil(programs at eight per SM / sequences)
     small = bh <= 32
-    short = max_pages < (24 if small else 8) * c8
+    short = max_pages < (24 if small else 4) * c8
     per_sm = 2 if small and max_pages < 4 * c8 else 4 if short else 8
     return max(1, min(max_pages, MAX_SPLITS, -(-per_sm * sms // bh)))
 
