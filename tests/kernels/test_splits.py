@@ -58,8 +58,8 @@ def test_large_batches_of_short_sequences_take_four_programs_an_sm(monkeypatch):
     """Past 32 programs a split index, a plan of eight programs an SM that would leave fewer than 4 pages a
     split takes four (48 x 4K on the H200's 132 SMs: 11 splits of 6 pages, not 22 of 3, where each split's
     partial costs as much traffic as half its records); longer sequences keep eight, and so does 128 x 4K
-    (9 splits of 7 pages, which beat four an SM on the H200). The device plans the same (Triton's interpreter
-    on the CPU, with the SM count patched)."""
+    (9 splits, about 7 pages each, which beat four an SM on the H200). The device plans the same (Triton's
+    interpreter on the CPU, with the SM count patched)."""
     from quantmla.kernels import splits
 
     monkeypatch.setattr(splits, "sm_count", lambda device: 132)

@@ -88,11 +88,10 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
     """Splits per sequence: about eight programs per SM (more, shorter programs even out the last wave),
     but for small batches (at most 32 programs per split index) two when that would leave fewer than 4
     pages per split and four when it would leave 4-24, and for larger ones four when it would leave fewer
-    than 4 (48 x 4K: 11 splits of 6 pages, not 22 of 3; 128 x 4K keeps 9 of 7); at most one split per page
-    and MAX_SPLITS splits.
-    Each split costs a partial output to write and combine, so short splits lose. The H200 timings behind
-    these thresholds are in BENCHMARKS.md. Integer arithmetic, as the kernels' own plan
-    (:func:`_pages_per_split`) computes it on the device."""
+    than 4 (48 x 4K: 11 splits of 6 pages, not 22 of 3; 128 x 4K keeps 9, about 7 pages each); at most one
+    split per page and MAX_SPLITS splits. Each split costs a partial output to write and combine, so short
+    splits lose. The H200 timings behind these thresholds are in BENCHMARKS.md. Integer arithmetic, as the
+    kernels' own plan (:func:`_pages_per_split`) computes it on the device."""
     sms, bh = sm_count(device), batch * head_groups
     c8 = -(-8 * sms // bh)  # ceil(programs at eight per SM / sequences)
     small = bh <= 32
