@@ -102,9 +102,8 @@ def run(model: str, scheme: str, budget: int, args) -> list[dict]:
     only what it needs; vLLM captures decode CUDA graphs for 1, 2, 4, 8, 16, ... requests, and a batch
     between captured sizes up to max_num_seqs runs eagerly)."""
     workloads = parse_workloads(args.workloads) if args.workloads else [(args.requests, args.prompt, args.output)]
-    groups = [workloads] if args.max_num_seqs else [[w] for w in workloads]
     rows = []
-    for group in groups:
+    for group in engine_groups(workloads, args.max_num_seqs, args.rounds):
         seqs = args.max_num_seqs or -(-group[0][0] // 8) * 8  # a size vLLM captures CUDA graphs for
         llm = engine(model, scheme, budget, max(p + o for _, p, o in group), args, seqs)
         cfg = llm.llm_engine.vllm_config.cache_config
@@ -127,6 +126,73 @@ def run(model: str, scheme: str, budget: int, args) -> list[dict]:
         del llm
         gc.collect()
     return rows
+
+
+def engine_groups(workloads: list[tuple[int, int, int]], max_num_seqs: int, rounds: int) -> list[list]:
+    """The workloads each engine runs, in order: all of them on one engine (``max_num_seqs`` > 0), else each
+    on its own; ``rounds`` times over, round-robin (a, b, a, b: each workload's runs spread over the engine's
+    life, so the median of its runs does not take the engine's first minutes for the workload's cost)."""
+    if rounds < 1:
+        raise SystemExit(f"--rounds {rounds}: give 1 or more")
+    return [workloads * rounds] if max_num_seqs else [[w] * rounds for w in workloads]
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One entry per (workload, budget, scheme, windows, max_num_seqs): how many runs, and the median and
+    range of whole-job throughput, with the medians of TTFT, TPOT, preemptions and engine steps."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r.get("workload", "-"), r["budget_mib"], r["scheme"], tuple(r.get("windows") or (0, 0)),
+               r.get("max_num_seqs", 0))  # fmt: skip
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (wl, budget, scheme, win, seqs), rs in groups.items():
+        tok = [r["output_tok_s"] for r in rs]
+        steps = [r["steps"]["steps"] for r in rs if isinstance(r.get("steps"), dict)]
+        out.append({
+            "workload": wl, "budget_mib": budget, "scheme": scheme, "windows": list(win), "max_num_seqs": seqs,
+            "runs": len(rs), "output_tok_s": statistics.median(tok), "output_tok_s_min": min(tok),
+            "output_tok_s_max": max(tok), "ttft_median_s": statistics.median(r["ttft_median_s"] for r in rs),
+            "tpot_median_ms": statistics.median(r["tpot_median_ms"] for r in rs),
+            "preemptions": statistics.median(r["preemptions"] for r in rs),
+            "steps": statistics.median(steps) if steps else None,
+        })  # fmt: skip
+    return out
+
+
+def reference_of(text: str) -> tuple[str, float]:
+    """``"bf16-vllm@7270"`` -> ``("bf16-vllm", 7270.0)``: the scheme and budget (MiB) the medians are held
+    against."""
+    scheme, _, mib = text.partition("@")
+    try:
+        return scheme, float(mib)
+    except ValueError:
+        raise SystemExit(f"--reference {text!r}: give SCHEME@MIB, e.g. bf16-vllm@7270") from None
+
+
+def median_table(rows: list[dict], reference: tuple[str, float] | None = None) -> list[str]:
+    """The medians of :func:`medians` as markdown lines; with a ``reference``, each median's throughput
+    over the reference's median on the same workload."""
+    meds = sorted(medians(rows), key=lambda m: (m["workload"], m["budget_mib"], m["scheme"], m["windows"]))
+    ref = {}
+    if reference is not None:
+        ref = {m["workload"]: m["output_tok_s"] for m in meds if (m["scheme"], m["budget_mib"]) == reference}
+    head = ["workload", "budget MiB", "scheme", "windows", "max_num_seqs", "runs", "output tok/s median (min-max)",
+            "TTFT s", "TPOT ms", "preemptions", "engine steps"]  # fmt: skip
+    if reference is not None:
+        head.append(f"of {reference[0]} at {reference[1]:g} MiB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in meds:
+        cells = [m["workload"], f"{m['budget_mib']:g}", m["scheme"], "+".join(map(str, m["windows"])),
+                 m["max_num_seqs"], m["runs"],
+                 f"{m['output_tok_s']:.1f} ({m['output_tok_s_min']:.1f}-{m['output_tok_s_max']:.1f})",
+                 f"{m['ttft_median_s']:.2f}", f"{m['tpot_median_ms']:.2f}", f"{m['preemptions']:g}",
+                 "-" if m["steps"] is None else f"{m['steps']:g}"]  # fmt: skip
+        if reference is not None:
+            base = ref.get(m["workload"])
+            cells.append("-" if base is None else f"{100 * m['output_tok_s'] / base:.1f}%")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
 
 
 def prompts_for(requests: int, prompt: int, salt: int) -> list[list[int]]:
@@ -267,6 +333,10 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--workloads", default="", help="e.g. 5x32768+1024,48x4096+2048 (overrides the three above)")
     ap.add_argument("--max-num-seqs", type=int, default=32, help="0: each workload its own engine, sized to it")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the workloads this many times over on each engine, round-robin (medians)")  # fmt: skip
+    ap.add_argument("--reference", default="",
+                    help="SCHEME@MIB: the report's medians as a share of that scheme's at that budget")  # fmt: skip
     ap.add_argument("--windows", default="4,128", help="quantmla's sink,recent (0,0: every token as stored)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
                     help="vLLM's token budget a step (0: vLLM's default); at requests x prompt every prefill runs "
@@ -288,10 +358,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--report", action="store_true", help="only print the table and plot of OUT/serving.json")
     args = ap.parse_args()
+    engine_groups([], 1, args.rounds)  # a bad --rounds or --reference stops here, before any engine starts
+    reference = reference_of(args.reference) if args.reference else None
     path = args.out / "serving.json"
     if args.report:
         data = json.loads(path.read_text())
-        return report(data["rows"], data.get("decode_step", []), args.out)
+        return report(data["rows"], data.get("decode_step", []), args.out, reference)
     import torch
 
     args.gpu = torch.cuda.is_available()
@@ -322,7 +394,7 @@ def main() -> None:
     if args.decode_step or args.decode_only:
         steps += decode_step_gpu(args) if args.gpu else decode_step(args)
     save()
-    report(rows, steps, args.out)
+    report(rows, steps, args.out, reference)
 
 
 def _cases(text: str) -> list[tuple[int, int]]:
@@ -427,7 +499,7 @@ def decode_step_gpu(args) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict], steps: list[dict], out: Path) -> None:
+def report(rows: list[dict], steps: list[dict], out: Path, reference: tuple[str, float] | None = None) -> None:
     if rows:  # a decode-only run into a fresh OUT has no throughput rows to plot
         plot(rows, out / "serving_throughput.png")
     head = ("workload", "budget MiB", "scheme", "windows", "max_num_seqs", "KV tokens", "peak in flight", "preemptions",
@@ -441,6 +513,9 @@ def report(rows: list[dict], steps: list[dict], out: Path) -> None:
                  f"{r['seconds']:.2f}", f"{r['output_tok_s']:.1f}", f"{r['ttft_median_s']:.2f}",
                  f"{r['tpot_median_ms']:.1f}")  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
+    if rows and (reference is not None or any(m["runs"] > 1 for m in medians(rows))):
+        print("\nMedians over the runs of each workload, scheme and budget:\n")
+        print("\n".join(median_table(rows, reference)))
     if steps and "vllm_fa3_us" in steps[0]:
         print("\n| B | L | H | vLLM FLASH_ATTN_MLA (FA3) µs | ours bf16 µs | ours c4r4 µs | ours c2r4 µs |"
               " c4r4 vs FA3 |")  # fmt: skip

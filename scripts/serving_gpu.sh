@@ -17,6 +17,8 @@
 #                                              (SEQS=N: one engine of N), windows WINDOWS (default 4,128),
 #                                              BATCHED=N: vLLM's max_num_batched_tokens (default vLLM's),
 #                                              STEPLOG=1: each engine step's mix and time (--step-log),
+#                                              ROUNDS=N: the workloads N times over, round-robin (medians),
+#                                              REFERENCE=S@MIB: the medians as a share of S's at MIB,
 #                                              schemes S (comma list) at budgets B (MiB, comma list)
 #   bash scripts/serving_gpu.sh profile S B    the pressure run of scheme S at budget B MiB (WORKLOADS, default
 #                                              5x32768+1024; SEQS default 8; BATCHED default 163840: every prefill
@@ -58,7 +60,8 @@ decode)
 pressure)
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
-    --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-0}" ${STEPLOG:+--step-log};;
+    --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-0}" --rounds "${ROUNDS:-1}" \
+    ${REFERENCE:+--reference "$REFERENCE"} ${STEPLOG:+--step-log};;
 profile)
   rm -rf "/tmp/prof/$2"
   python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \

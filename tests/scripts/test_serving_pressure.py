@@ -79,3 +79,39 @@ def test_jit_cache_names_the_kernels_in_the_triton_cache_dirs(tmp_path, monkeypa
         (root / entry / f"__grp__{name}.json").write_text("{}")
         (root / entry / f"{name}.cubin").write_text("")
     assert sorted(es.jit_cache().values()) == ["_gather_kernel", "_lowbit_kernel"]
+
+
+def test_rounds_run_the_workloads_round_robin_on_each_engine():
+    sp = _module()
+    a, b = (48, 4096, 2048), (5, 32768, 1024)
+    assert sp.engine_groups([a, b], 48, 3) == [[a, b, a, b, a, b]]  # one engine of 48
+    assert sp.engine_groups([a, b], 0, 2) == [[a, a], [b, b]]  # each workload its own engine
+    assert sp.engine_groups([a], 8, 1) == [[a]]
+    with pytest.raises(SystemExit, match="--rounds 0: give 1 or more"):
+        sp.engine_groups([a], 8, 0)
+
+
+def _row(scheme, budget, tok, workload="48x4096+2048", tpot=8.0, steps=None):
+    row = dict(workload=workload, budget_mib=budget, scheme=scheme, windows=[4, 128], max_num_seqs=48,
+               output_tok_s=tok, ttft_median_s=1.0, tpot_median_ms=tpot, preemptions=2)  # fmt: skip
+    return row | ({"steps": {"steps": steps}} if steps is not None else {})
+
+
+def test_medians_group_the_runs_and_hold_them_against_the_reference():
+    sp = _module()
+    rows = [_row("c2r4", 2048, t, steps=s) for t, s in ((4000.0, 10), (5000.0, 30), (4500.0, 20))]
+    rows += [_row("bf16-vllm", 7270, t) for t in (4400.0, 3000.0, 4600.0)]
+    rows += [_row("c2r4", 2048, 600.0, workload="5x32768+1024", tpot=6.0)]
+    meds = {(m["scheme"], m["workload"]): m for m in sp.medians(rows)}
+    c2 = meds[("c2r4", "48x4096+2048")]
+    assert (c2["runs"], c2["output_tok_s"]) == (3, 4500.0)
+    assert (c2["output_tok_s_min"], c2["output_tok_s_max"]) == (4000.0, 5000.0)
+    assert c2["steps"] == 20 and c2["preemptions"] == 2
+    assert meds[("bf16-vllm", "48x4096+2048")]["output_tok_s"] == 4400.0  # the median, not the mean (4000)
+    table = sp.median_table(rows, sp.reference_of("bf16-vllm@7270"))
+    line = next(x for x in table if x.startswith("| 48x4096+2048 | 2048 | c2r4"))
+    assert line.endswith(f"| {100 * 4500 / 4400:.1f}% |")  # 102.3%
+    other = next(x for x in table if x.startswith("| 5x32768+1024"))
+    assert other.endswith("| - |")  # no reference run of that workload: no share
+    with pytest.raises(SystemExit, match="give SCHEME@MIB"):
+        sp.reference_of("bf16-vllm")
