@@ -165,9 +165,11 @@ def reference_of(text: str) -> tuple[str, float]:
     against."""
     scheme, _, mib = text.partition("@")
     try:
-        return scheme, float(mib)
+        if scheme:
+            return scheme, float(mib)
     except ValueError:
-        raise SystemExit(f"--reference {text!r}: give SCHEME@MIB, e.g. bf16-vllm@7270") from None
+        pass
+    raise SystemExit(f"--reference {text!r}: give SCHEME@MIB, e.g. bf16-vllm@7270")
 
 
 def median_table(rows: list[dict], reference: tuple[str, float] | None = None) -> list[str]:

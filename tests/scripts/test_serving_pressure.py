@@ -113,5 +113,6 @@ def test_medians_group_the_runs_and_hold_them_against_the_reference():
     assert line.endswith(f"| {100 * 4500 / 4400:.1f}% |")  # 102.3%
     other = next(x for x in table if x.startswith("| 5x32768+1024"))
     assert other.endswith("| - |")  # no reference run of that workload: no share
-    with pytest.raises(SystemExit, match="give SCHEME@MIB"):
-        sp.reference_of("bf16-vllm")
+    for bad in ("bf16-vllm", "@7270", "bf16-vllm@"):
+        with pytest.raises(SystemExit, match="give SCHEME@MIB"):
+            sp.reference_of(bad)
