@@ -50,7 +50,8 @@ def _pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR
     bh = seqs * HG
     c8 = tl.cdiv(8 * SMS, bh)
     small = bh <= 32
-    per_sm = tl.where(small & (mx < 4 * c8), 2, tl.where(small & (mx < 24 * c8), 4, tl.where(mx < 4 * c8, 4, 8)))
+    short = mx < tl.where(small, 24, 4) * c8
+    per_sm = tl.where(small & (mx < 4 * c8), 2, tl.where(short, 4, 8))
     ns = tl.minimum(tl.minimum(tl.cdiv(per_sm * SMS, bh), mx), MAXS)
     ns = tl.maximum(tl.minimum(ns, NS), 1)
     return tl.maximum(tl.maximum(tl.cdiv(tot, seqs * ns), tl.cdiv(mx, NS)), 1)

@@ -133,8 +133,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         self.partial_dtype = torch.float16 if quantised else torch.float32
         if sel is not None and self.kernel:
             log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s);"
-                     " split partials in float16 (float32 for BF16 records)",
-                     "from its capture sizes" if sizes else "capture sizes unknown: half its batch up")  # fmt: skip
+                     " split partials in %s", "from its capture sizes" if sizes else "capture sizes unknown: half"
+                     " its batch up", self.partial_dtype)  # fmt: skip
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
         if self.layout is None:
