@@ -2,7 +2,7 @@
 subfolder of DIR), vLLM's engine steps split into decode-only steps and steps with a prefill, each with its GPU
 span, the kernels' time inside it and the largest kernels.
 
-    python scripts/profile_summary.py DIR [--top 12] [--json OUT.json]
+    python scripts/profile_summary.py DIR [--top 12] [--json OUT.json] [--each]
 
 vLLM (0.26) marks each step on the GPU timeline as ``execute_context_N(T)_generation_M(G)``: N requests
 prefilling T tokens, M decoding. A kernel belongs to the step whose span holds its start.
@@ -49,7 +49,18 @@ def summarise(events: list[dict], top: int) -> dict:
         k = per_step[i][e["name"]]
         k[0] += e["dur"]
         k[1] += 1
-    out = {"steps": [m["name"] for m in marks]}
+    out = {
+        "steps": [m["name"] for m in marks],
+        "each": [
+            {
+                "name": m["name"],
+                "start_us": m["ts"] - starts[0],
+                "gpu_span_us": m["dur"],
+                "kernel_us": sum(v[0] for v in per_step[i].values()),
+            }
+            for i, m in enumerate(marks)
+        ],
+    }
     for label in ("decode", "prefill"):
         idx = [i for i, m in enumerate(marks) if (int(STEP.match(m["name"])[1]) == 0) == (label == "decode")]
         if not idx:
@@ -77,6 +88,7 @@ def main() -> None:
     ap.add_argument("dir", type=Path)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--each", action="store_true", help="also each step: its start, GPU span and kernel time")
     args = ap.parse_args()
     out = {}
     for sub in sorted(p for p in args.dir.iterdir() if p.is_dir()):
@@ -87,6 +99,11 @@ def main() -> None:
                 continue
             out[f"{sub.name}/{path.name}"] = s
             print(f"== {sub.name} ({path.name}): {len(s['steps'])} steps")
+            for e in s["each"] if args.each else ():
+                print(
+                    f"   {e['start_us'] / 1e3:9.2f} ms  span {e['gpu_span_us'] / 1e3:8.2f} ms  kernels"
+                    f" {e['kernel_us'] / 1e3:8.2f} ms  {e['name']}"
+                )
             for label in ("decode", "prefill"):
                 if label not in s:
                     continue

@@ -68,7 +68,7 @@ profile)
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024}" --max-num-seqs "${SEQS:-8}" \
     --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-163840}" --profile-dir /tmp/prof \
     --profile-delay 0 --profile-steps "${STEPS:-12}"
-  python scripts/profile_summary.py /tmp/prof --json "$out/profile-summary.json"
+  python scripts/profile_summary.py /tmp/prof --each --json "$out/profile-summary.json"
   for f in /tmp/prof/"$2"/*.pt.trace.json.gz; do cp "$f" "$out/profile-$2.trace.json.gz"; done
   cp /tmp/prof/"$2"/profiler_out_0.txt "$out/profile-$2-kernels.txt";;
 serve)

@@ -44,3 +44,11 @@ def test_decode_and_prefill_steps_apart():
 def test_a_trace_without_steps_is_refused():
     with pytest.raises(ValueError, match="not a vLLM worker's trace"):
         _module().summarise([_kernel(0, "k", 1)], top=3)
+
+
+def test_each_step_in_order_with_its_span_and_kernels():
+    each = _module().summarise(_trace(), top=1)["each"]
+    assert [e["start_us"] for e in each] == [0, 1000, 2000, 3000, 4000]
+    assert each[0] == {"name": "execute_context_2(64)_generation_0(0)", "start_us": 0, "gpu_span_us": 900,
+                       "kernel_us": 800}  # fmt: skip
+    assert {e["kernel_us"] for e in each[1:]} == {55}  # the kernel between steps is in none
