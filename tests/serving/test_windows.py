@@ -49,8 +49,9 @@ class Engine:
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, torch.Tensor] = {}  # every token as computed, per request
 
-    def step(self, grow: dict[int, int]) -> None:
-        """Requests ``rid`` add ``grow[rid]`` tokens this step (a new ``rid``: its prefill)."""
+    def step(self, grow: dict[int, int], short: bool = False):
+        """Requests ``rid`` add ``grow[rid]`` tokens this step (a new ``rid``: its prefill). ``short``: their
+        tokens attend one by one as decode tokens (the pool's extended windows); returns which got them."""
         for rid, k in grow.items():
             have = self.tokens.get(rid, torch.empty(0, DC + DR))
             new = torch.randn(k, DC + DR, generator=self.gen)
@@ -59,7 +60,8 @@ class Engine:
                 self.tables[rid].append(int(self.free.pop()))
         rids = list(grow)
         table, seq = self.table(rids)
-        self.pool.plan(table.numpy(), seq.numpy(), np.array(list(grow.values())), self.bs)
+        q = np.array(list(grow.values()))
+        granted = self.pool.plan(table.numpy(), seq.numpy(), q, self.bs, short=np.full(q.size, short))
         for rid, k in grow.items():
             n = len(self.tokens[rid])
             pos = torch.arange(n - k, n)
@@ -67,6 +69,7 @@ class Engine:
             c, r = self.tokens[rid][-k:].split([DC, DR], dim=-1)
             self.layout.write_pages(self.pages, slots, c, r)
             self.shadow.write(self.pool, slots, c, r)
+        return granted
 
     def finish(self, rid: int) -> None:
         self.free.extend(self.tables.pop(rid))
@@ -81,16 +84,18 @@ class Engine:
         c, r = self.layout.unpack(self.layout.read_slots(self.pages, slots))
         return torch.cat([c, r], dim=-1)
 
-    def decode(self, rids, q_nope, q_pe):
+    def decode(self, rids, q_nope, q_pe, lengths=None):
+        """Decode rows of requests ``rids`` (repeats allowed), each of its full length or of ``lengths``."""
         table, seq = self.table(rids)
+        seq = seq if lengths is None else torch.tensor(lengths)
         win, win_len, start, n_paged = self.shadow.window(self.pool, self.pages, table, seq)
         return paged_decode(q_nope, q_pe, self.pages, self.layout, table, n_paged, 0.1, window=win,
                             window_len=win_len, paged_start=start)  # fmt: skip
 
-    def reference(self, rid, q_nope, q_pe, as_stored=()):
-        """float64 attention of one query over the policy's view of request ``rid`` (positions ``as_stored``
-        read as stored even in the window)."""
-        x = self.tokens[rid]
+    def reference(self, rid, q_nope, q_pe, as_stored=(), length=None):
+        """float64 attention of one query over the policy's view of request ``rid`` (its first ``length``
+        tokens; positions ``as_stored`` read as stored even in the window)."""
+        x = self.tokens[rid][:length]
         n = len(x)
         c, r = x.split([DC, DR], dim=-1)
         sc, sr = self.layout.unpack(self.layout.pack(c, r))
@@ -165,6 +170,66 @@ def test_an_evicted_shadow_is_repaired_from_its_record_and_counted():
     got = eng.decode([0], q_nope, q_pe)[0].double()
     want = eng.reference(0, q_nope[0], q_pe[0], as_stored=range(3, SUB + 2))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("sink", "recent", "bs"), [(4, 24, 32), (4, 40, 16), (0, 16, 64), (3, 0, 32)])
+def test_short_extends_attend_token_by_token_through_the_windows(sink, recent, bs):
+    # a chunked prompt's last tokens as decode rows: row j of q reads the exact policy for its own length,
+    # so its window reaches up to q - 1 positions before the step's (the last step's window)
+    eng = Engine(WindowConfig(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
+    eng.step({0: 90, 1: 3})
+    for grow in ({0: 7, 1: 1}, {0: 1, 1: 12}, {0: 3, 1: 5}):
+        assert eng.step(grow, short=True).all()
+        rids = [rid for rid, k in grow.items() for _ in range(k)]
+        lens = [len(eng.tokens[rid]) - k + 1 + j for rid, k in grow.items() for j in range(k)]
+        q_nope, q_pe = torch.randn(len(rids), H, DC), torch.randn(len(rids), H, DR)
+        got = eng.decode(rids, q_nope, q_pe, lens)
+        for i, (rid, n) in enumerate(zip(rids, lens, strict=True)):
+            want = eng.reference(rid, q_nope[i], q_pe[i], length=n)
+            torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+    assert eng.pool.misses == 0
+
+
+def test_a_short_extend_keeps_its_earlier_window_when_the_pool_is_full():
+    # request 0's last-step window is the oldest in a full pool: the step's own new sub-pages would evict its
+    # rows that the extend's first tokens read, unless the plan keeps them
+    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng.step({0: 60})
+    eng.step({1: 30})
+    eng.step({1: 1})
+    eng.step({1: 4})  # request 1 takes the last free sub-page
+    assert eng.step({0: 6}, short=True).all()
+    q_nope, q_pe = torch.randn(6, H, DC), torch.randn(6, H, DR)
+    lens = list(range(61, 67))
+    got = eng.decode([0] * 6, q_nope, q_pe, lens)
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(got[i].double(), eng.reference(0, q_nope[i], q_pe[i], length=n), atol=2e-5,
+                                   rtol=2e-5)  # fmt: skip
+    assert eng.pool.misses == 0
+
+
+def test_a_short_extends_lost_earlier_window_is_repaired_from_its_records_and_counted():
+    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng.step({0: 60})
+    eng.step({1: 30})
+    eng.step({1: 1})
+    eng.step({1: 8})  # two new sub-pages for request 1, one free: request 0's oldest goes (positions 36-39)
+    assert eng.step({0: 6}, short=True).all()
+    assert eng.pool.misses == 3  # positions 37-39, in the windows of its first three tokens only
+    q_nope, q_pe = torch.randn(6, H, DC), torch.randn(6, H, DR)
+    lens = list(range(61, 67))
+    got = eng.decode([0] * 6, q_nope, q_pe, lens)
+    for i, n in enumerate(lens):
+        want = eng.reference(0, q_nope[i], q_pe[i], as_stored=range(37, 40), length=n)
+        torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_short_extends_the_pool_cannot_hold_attend_as_prefills():
+    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng.step({0: 80, 1: 80})  # two requests: every shadow the pool has is theirs
+    granted = eng.step({0: 9, 1: 1}, short=True)
+    assert granted.tolist() == [False, True]  # no shadow to spare for request 0's earlier windows
+    assert eng.pool.misses == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream-sync check needs CUDA (sync debug mode)")

@@ -97,6 +97,17 @@ def _host_window_positions(seq_lens: np.ndarray, cfg: WindowConfig) -> tuple[np.
     return pos, pos < n
 
 
+def host_to_device(a: np.ndarray, device) -> torch.Tensor:
+    """``a`` on ``device``, queued behind the stream's work without waiting for it: a blocking copy from
+    pageable memory synchronises the stream (PyTorch waits for the copy), which would stall vLLM's
+    asynchronous scheduling. On CUDA the copy goes from pinned memory, non-blocking (PyTorch's caching host
+    allocator keeps the pinned block until the copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class WindowPool:
     """Which sub-pages have a shadow, for all layers of one engine (shadow rows: :class:`ShadowRows`).
 
@@ -132,12 +143,60 @@ class WindowPool:
         sh = self._shadow_of[slots // SUB]
         return np.where(sh >= 0, sh * SUB + slots % SUB, -1)
 
-    def plan(self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, block_size: int) -> int:
+    def plan(self, block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray, block_size: int,
+             short: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """Give a shadow to every sub-page this step needs (host block tables ``[B, pages]``, lengths after
         the step ``[B]`` and tokens the step adds ``[B]``); evicts the least recently needed, updates
-        :attr:`map` and repairs the window rows that need it. Returns how many were repaired."""
-        pos, ok = _host_window_positions(np.asarray(seq_lens, dtype=np.int64), self.cfg)
+        :attr:`map` and repairs the window rows that need it.
+
+        ``short`` (bool ``[B]``): requests whose new tokens should attend one by one, as decode tokens (token
+        ``j`` of ``q``: the window of ``n - q + 1 + j`` tokens, reaching up to ``q - 1`` positions before the
+        step's window). Their earlier window rows get shadows too, kept from the last step, for as many of
+        them as the pool holds beside the step's own windows, fewest new tokens first. Returns the mask of
+        the requests whose tokens may attend one by one: those adding one token and the short ones that
+        got their windows (the others attend as a prefill does, windows relative to the step's end)."""
         table = block_table.astype(np.int64)
+        n, q = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
+        wslots, keys = self._window_slots(table, n, block_size)
+        step = self._step
+        self._step += 1
+        sh = self._shadow_of[keys]
+        self._last[sh[sh >= 0]] = step
+        missing = [keys[sh < 0]]
+        granted = q <= 1
+        if short is not None and np.any(short & (q > 1)):
+            spare = int((self._last < step).sum()) - missing[0].size  # beside the step's own windows
+            for i in np.argsort(np.where(short & (q > 1), q, np.iinfo(np.int64).max), kind="stable"):
+                if not short[i] or q[i] <= 1:
+                    break
+                lens = n[i] - q[i] + 1 + np.arange(q[i])  # the windows of its tokens, one by one
+                ws, ks = self._window_slots(np.repeat(table[i : i + 1], q[i], axis=0), lens, block_size)
+                ksh = self._shadow_of[ks]
+                kept = ksh[ksh >= 0]
+                kept = kept[self._last[kept] < step]
+                new = np.setdiff1d(ks[ksh < 0], missing[0])
+                if kept.size + new.size > spare:
+                    break  # the rest add as many tokens or more
+                self._last[kept] = step
+                spare -= kept.size + new.size
+                missing.append(new)
+                wslots = np.concatenate([wslots, ws])
+                granted[i] = True
+        missing = np.unique(np.concatenate(missing))
+        if missing.size:
+            self._assign(missing, keys.size, step)
+        # the step's new tokens: their rows (where they have one) hold them once the layers have written
+        req = np.repeat(np.arange(n.size), q)
+        new_pos = n[req] - q[req] + (np.arange(req.size) - np.repeat(np.cumsum(q) - q, q))
+        rows = self._rows(table[req, new_pos // block_size] * block_size + new_pos % block_size)
+        self._valid[rows[rows >= 0]] = True
+        self._repair(wslots)
+        return granted
+
+    def _window_slots(self, table: np.ndarray, seq_lens: np.ndarray, block_size: int):
+        """The window slots of requests of ``seq_lens`` tokens (host table rows), flattened, and the
+        sub-pages they touch."""
+        pos, ok = _host_window_positions(seq_lens, self.cfg)
         col = np.minimum(pos // block_size, table.shape[1] - 1)
         wslots = np.take_along_axis(table, col, axis=1) * block_size + pos % block_size
         # every sub-page the window touches holds one of these columns (each segment's start, every SUB-th
@@ -145,22 +204,12 @@ class WindowPool:
         cols = self._key_cols
         last = np.take_along_axis(wslots, np.maximum(ok.sum(1) - 1, 0)[:, None], axis=1)[:, 0]  # position n - 1
         keys = np.unique(np.concatenate([(wslots[:, cols] // SUB)[ok[:, cols]], (last // SUB)[ok[:, 0]]]))
-        wslots = wslots[ok]
         if keys.size and keys[-1] >= self._shadow_of.size:
             raise ValueError(f"slot sub-page {keys[-1]} beyond the {self._shadow_of.size} the pool was built for")
-        step = self._step
-        self._step += 1
-        sh = self._shadow_of[keys]
-        self._last[sh[sh >= 0]] = step
-        missing = keys[sh < 0]
-        if missing.size:
-            self._assign(missing, keys.size, step)
-        # the step's new tokens: their rows (where they have one) hold them once the layers have written
-        n, q = np.asarray(seq_lens, dtype=np.int64), np.asarray(query_lens, dtype=np.int64)
-        req = np.repeat(np.arange(n.size), q)
-        new = n[req] - q[req] + (np.arange(req.size) - np.repeat(np.cumsum(q) - q, q))
-        rows = self._rows(table[req, new // block_size] * block_size + new % block_size)
-        self._valid[rows[rows >= 0]] = True
+        return wslots[ok], keys
+
+    def _repair(self, wslots: np.ndarray) -> int:
+        """Repair the window rows of ``wslots`` that do not hold their slot's token; returns how many."""
         wrows = self._rows(wslots)
         bad = ~self._valid[wrows]
         if not bad.any():
@@ -192,15 +241,7 @@ class WindowPool:
         self.map[self._upload(changed)] = self._upload(self._shadow_of[changed].astype(np.int32))
 
     def _upload(self, a: np.ndarray) -> torch.Tensor:
-        """``a`` on the map's device, queued behind the stream's work without waiting for it: a blocking copy
-        from pageable memory synchronises the stream (PyTorch waits for the copy), which would stall vLLM's
-        asynchronous scheduling every step a window crosses into a new sub-page. On CUDA the copy goes
-        from pinned memory, non-blocking (PyTorch's caching host allocator keeps the pinned block until the
-        copy has run)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self.map.device.type != "cuda":
-            return t.to(self.map.device)
-        return t.pin_memory().to(self.map.device, non_blocking=True)
+        return host_to_device(a, self.map.device)
 
     def rows_of(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Shadow rows of ``slots`` (any shape, -1 for none) and whether they have one (else the scratch row)."""

@@ -19,6 +19,10 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   and dequantised from the pages by one fused Triton launch a layer (:mod:`quantmla.kernels.gather`; the
   torch unpacking for ``fp8``/``c8r8``) through :func:`patch_context_gather`, the window tokens from
   their shadows;
+* a request adding a few tokens to its context (at most
+  :data:`~quantmla.serving.vllm.short_extends.SHORT_EXTEND_TOKENS`: a chunked prompt's last piece) attends as
+  that many decode rows, one kernel row a token (:mod:`quantmla.serving.vllm.short_extends`), as
+  ``FLASH_ATTN_MLA`` sends such requests down its decode path;
 * the sink and recent windows of each request are read unquantised from BF16 shadows
   (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder outside the
   CUDA graph; the fused write also writes the shadow rows, and the decode kernel reads the pages for
@@ -31,7 +35,11 @@ import contextvars
 from dataclasses import dataclass, replace
 
 import torch
-from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla.flashattn_mla import (
     FlashAttnMLABackend,
@@ -51,6 +59,7 @@ from quantmla.serving.vllm.plugin_state import (
     log_once,
     mla_geometry,
 )
+from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -72,6 +81,10 @@ class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommon
     torch path syncs)."""
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # short extends (a chunked prompt's last few tokens) attend as decode tokens, one kernel row each
+    # (quantmla.serving.vllm.short_extends), as FLASH_ATTN_MLA sends them down its decode path
+    query_len_support = QueryLenSupport.VARLEN
+    reorder_batch_threshold = SHORT_EXTEND_TOKENS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, **kwargs) -> None:
         sel = current_selection()
@@ -179,14 +192,17 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         step = getattr(attn_metadata, "windows", None)
         if self.windows is not None and step is None:
             raise RuntimeError("quantmla windows: a decode step without a window plan")
+        table, lens = dec.block_table, dec.seq_lens
+        rows = getattr(attn_metadata, "decode_tokens", None)
+        if rows is not None:  # short extends among the decodes: one row a token
+            log_once("quantmla plugin: short extends attend as decode tokens (one kernel row a token)")
+            table, lens = rows.rows(table, lens)
         if not self.kernel:
-            win, n_paged = {}, dec.seq_lens
+            win, n_paged = {}, lens
             if self.windows is not None:
-                rows, count, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
-                                                                         dec.seq_lens)  # fmt: skip
-                win = dict(window=rows, window_len=count, paged_start=start)
-            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
-                               **win)  # fmt: skip
+                wrows, count, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, table, lens)
+                win = dict(window=wrows, window_len=count, paged_start=start)
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, table, n_paged, self.scale, **win)
             return out, None
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
@@ -197,9 +213,17 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
             cfg = self.windows.cfg
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
-        return mla_decode(q_nope, q_pe, self._pages[1], dec.block_table, dec.seq_lens.int(), self.scale,
-                          shadow=shadow, min_batch=self.min_batches.get(dec.block_table.shape[0]),
-                          partial_dtype=self.partial_dtype)  # fmt: skip
+        return mla_decode(
+            q_nope,
+            q_pe,
+            self._pages[1],
+            table,
+            lens.int(),
+            self.scale,
+            shadow=shadow,
+            min_batch=self.min_batches.get(table.shape[0]),
+            partial_dtype=self.partial_dtype,
+        )
 
 
 def patch_kv_cache_spec() -> None:

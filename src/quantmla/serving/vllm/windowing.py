@@ -23,6 +23,7 @@ from quantmla.serving.records import RecordLayout
 from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
+from quantmla.serving.vllm.short_extends import DecodeTokens, decode_tokens
 from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
 logger = logging.getLogger("vllm.quantmla")
@@ -47,10 +48,13 @@ class WindowStep:
 @dataclass
 class QuantMLAMetadata(MLACommonMetadata):
     windows: WindowStep | None = None
+    decode_tokens: DecodeTokens | None = None  # short extends among the decodes (None: one token each)
 
 
 class WindowPlanning:
-    """Mixin for an ``MLACommonMetadataBuilder``: builds :class:`QuantMLAMetadata` and plans the windows."""
+    """Mixin for an ``MLACommonMetadataBuilder``: builds :class:`QuantMLAMetadata`, plans the windows and
+    maps the step's short extends to decode rows (:mod:`quantmla.serving.vllm.short_extends`) when the
+    builder's ``reorder_batch_threshold`` is above 1."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, window_cfg: WindowConfig, **kwargs):
         kwargs.setdefault("metadata_cls", QuantMLAMetadata)
@@ -66,24 +70,44 @@ class WindowPlanning:
             self.window_pool = WindowPool(window_cfg, blocks * kv_cache_spec.block_size, max_reqs, device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self.window_pool is None:
-            return md
         cm = common_attn_metadata
         n = cm.num_reqs
-        seq = cm.seq_lens[:n]
         qsl = cm.query_start_loc_cpu[: n + 1].numpy()
+        threshold = self.reorder_batch_threshold
         pool = self.window_pool
-        before = pool.misses
-        # host copies of the step's table and lengths: no wait for the GPU (quantmla.serving.vllm.host_tables)
-        pool.plan(host_block_table(cm.block_table_tensor, n), host_seq_lens(cm, n, self.exact_lengths),
-                  qsl[1:] - qsl[:-1], self.kv_cache_spec.block_size)  # fmt: skip
-        if pool.misses > before:
-            logger.warning("quantmla windows: %d window tokens had no unquantised copy (a prefix-cache hit, or a"
-                           " request long unscheduled) and are read as stored; %d so far", pool.misses - before,
-                           pool.misses)  # fmt: skip
-        md.windows = WindowStep(pool, seq)
+        if pool is not None:
+            before = pool.misses
+            # host copies of the step's table and lengths: no wait for the GPU (quantmla.serving.vllm.host_tables)
+            table, lens = host_block_table(cm.block_table_tensor, n), host_seq_lens(cm, n, self.exact_lengths)
+            q = qsl[1:] - qsl[:-1]
+            bs = self.kv_cache_spec.block_size
+            short = (q > 1) & (q <= threshold)  # short extends: decode tokens if their windows have shadows
+            granted = pool.plan(table, lens, q, bs, short=short)
+            if not granted[short].all():
+                threshold = int(q[short & ~granted].min()) - 1
+                log_once(
+                    "quantmla windows: a step whose shadow pool could not hold the short extends' windows:"
+                    " their requests attended as prefills (windows relative to the step's end)"
+                )
+            if pool.misses > before:
+                logger.warning("quantmla windows: %d window tokens had no unquantised copy (a prefix-cache hit, or"
+                               " a request long unscheduled) and are read as stored; %d so far",
+                               pool.misses - before, pool.misses)  # fmt: skip
+        md = self._build_split_at(threshold, common_prefix_len, cm, fast_build)
+        if pool is not None:
+            md.windows = WindowStep(pool, cm.seq_lens[:n])
+        md.decode_tokens = decode_tokens(qsl, md.num_decodes, cm.seq_lens.device)
         return md
+
+    def _build_split_at(self, threshold: int, common_prefix_len, cm, fast_build: bool):
+        """vLLM's build with the decode requests those of at most ``threshold`` new tokens this step (vLLM's
+        builder reads its ``reorder_batch_threshold`` for the split; the batch stays ordered by it)."""
+        default = self.reorder_batch_threshold
+        self.reorder_batch_threshold = threshold
+        try:
+            return super().build(common_prefix_len, cm, fast_build)
+        finally:
+            self.reorder_batch_threshold = default
 
 
 def current_window_step() -> WindowStep | None:
