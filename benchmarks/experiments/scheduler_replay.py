@@ -18,7 +18,9 @@ config is then built with vLLM's CPU platform, and the script says so).
 ``--scheme c4r4 --budget-mib 2048 --max-num-seqs 32,40,48`` instead sizes the cache from the storage
 formula for each ``max_num_seqs`` (the windows' shadows, sized by it, come off the budget; DeepSeek-V2-Lite:
 27 layers, 512 + 64). The prompts are those of ``benchmarks/serving_pressure.py`` after its warm-up
-request. ``--validate`` prints the replay of the H200 runs' configurations beside their step logs.
+request. ``--window-misses`` also plans quantmla's window pool on every replayed step and counts the window
+tokens it could not give an unquantised copy (the engine reads them as stored). ``--validate`` prints the
+replay of the H200 runs' configurations beside their step logs.
 """
 
 from __future__ import annotations
@@ -77,6 +79,31 @@ def use_cpu_platform_if_none() -> None:
         platforms._current_platform = CpuPlatform()  # vLLM has no public setter
 
 
+class WindowPlan:
+    """quantmla's window pool planned on the replayed steps (host block tables and lengths after the step)."""
+
+    def __init__(self, windows: tuple[int, int], kv_tokens: int, max_num_seqs: int) -> None:
+        import numpy as np
+
+        from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
+        from quantmla.serving.windows import WindowConfig, WindowPool
+
+        self.np, self.short = np, SHORT_EXTEND_TOKENS
+        self.pool = WindowPool(WindowConfig(*windows), kv_tokens, max_num_seqs, "cpu")
+        self.pool.register(0, lambda rows, slots: None)  # no shadow rows here: only the plan and its misses
+
+    def step(self, sched, so) -> None:
+        np = self.np
+        ids = list(so.num_scheduled_tokens)
+        q = np.array([so.num_scheduled_tokens[r] for r in ids], dtype=np.int64)
+        n = np.array([sched.requests[r].num_computed_tokens for r in ids], dtype=np.int64)  # after the step
+        blocks = [sched.kv_cache_manager.get_block_ids(r)[0] for r in ids]
+        table = np.zeros((len(ids), max(len(b) for b in blocks)), dtype=np.int64)
+        for i, b in enumerate(blocks):
+            table[i, : len(b)] = b
+        self.pool.plan(table, n, q, BLOCK, short=(q > 1) & (q <= self.short))
+
+
 def replay(
     workload: str,
     kv_tokens: int,
@@ -85,6 +112,7 @@ def replay(
     watermark: float = 0.0,
     held_blocks: int = 0,
     full_prompt_admission: bool = True,
+    windows: tuple[int, int] | None = None,
 ) -> dict:
     """Steps, preemptions and prefill tokens of ``workload`` (``NxPROMPT+OUTPUT``) on an engine of
     ``kv_tokens`` (whole blocks of 64; vLLM's null block comes out of them, as on the engine).
@@ -95,7 +123,11 @@ def replay(
     request running after the previous one, and releases the rest.
 
     ``full_prompt_admission``: vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is
-    admitted only when its whole prompt fits."""
+    admitted only when its whole prompt fits.
+
+    ``windows`` (sink, recent): plan quantmla's window pool (:class:`~quantmla.serving.windows.WindowPool`,
+    sized by ``max_num_seqs``) on every step, the warm-up's included, as the plugin's metadata builder does,
+    and count ``window_misses``: window tokens with no unquantised copy, which the engine reads as stored."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
@@ -148,6 +180,7 @@ def replay(
         sched.add_request(Request(rid, ids, sp, None, block_hasher=hasher))
 
     counts = dict(steps=0, prefill_steps=0, prefill_tokens=0, decode_steps=0, preemptions=0, peak_running=0)
+    plan = None if windows is None else WindowPlan(windows, kv_tokens, max_num_seqs)
 
     def run(count: bool) -> None:
         queue: deque = deque()
@@ -157,6 +190,8 @@ def replay(
                 # a request samples this step unless it is partway through its prefill (the model runner's rule)
                 emit = {r: not sched.requests[r].is_prefill_chunk for r in so.num_scheduled_tokens}
                 queue.appendleft((so, emit))
+                if plan is not None and so.total_num_scheduled_tokens:
+                    plan.step(sched, so)
                 if count:
                     counts["preemptions"] += len(so.preempted_req_ids or ())
                     counts["peak_running"] = max(counts["peak_running"], len(sched.running))
@@ -179,6 +214,8 @@ def replay(
     for i, ids in enumerate(serving_pressure.prompts_for(n, prompt, 1)):
         add(str(i), ids, output)
     run(count=True)
+    if plan is not None:
+        counts["window_misses"] = plan.pool.misses
     return dict(workload=workload, kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, watermark=watermark,
                 held_blocks=held_blocks, full_prompt_admission=full_prompt_admission, **counts)  # fmt: skip
 
@@ -203,6 +240,11 @@ def main() -> None:
         "--no-full-prompt-admission",
         action="store_true",
         help="admit a request before its whole prompt fits (vLLM's scheduler_reserve_full_isl off)",
+    )
+    p.add_argument(
+        "--window-misses",
+        action="store_true",
+        help="plan quantmla's window pool (--windows, sized by max_num_seqs) on each step; count its misses",
     )
     p.add_argument("--validate", action="store_true", help="replay the GPU runs' configurations beside their logs")
     p.add_argument("--json", type=Path)
@@ -230,12 +272,11 @@ def main() -> None:
         caps += [int(v) for v in a.kv_tokens.split(",") if v]
         for cap in caps:
             for wm in watermarks:
-                r = replay(
-                    a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks, not a.no_full_prompt_admission
-                )
+                r = replay(a.workload, cap, seqs, a.max_num_batched_tokens, wm, a.held_blocks,
+                           not a.no_full_prompt_admission, win if a.window_misses else None)  # fmt: skip
                 rows.append(r | {"scheme": a.scheme or "-"})
     keys = ["workload", "kv_tokens", "max_num_seqs", "watermark", "held_blocks", "steps", "prefill_steps",
-            "prefill_tokens", "preemptions", "peak_running", "measured_steps", "measured_preemptions",
+            "prefill_tokens", "preemptions", "peak_running", "window_misses", "measured_steps", "measured_preemptions",
             "measured_prefill_tokens", "measured_label"]  # fmt: skip
     keys = [k for k in keys if any(k in r for r in rows)]
     print("| " + " | ".join(keys) + " |")

@@ -67,3 +67,18 @@ def test_replay_reproduces_the_gpu_engines_step_log():
     r = _module().replay("48x4096+2048", 222_208, 48)
     assert r["preemptions"] == 12
     assert abs(r["steps"] - 3596) <= 0.01 * 3596
+
+
+def test_window_misses_come_only_from_a_prefix_hit():
+    """Planned on vLLM's own steps, the window pool gives every window token an unquantised copy, except where
+    a preempted request resumes on its own cached blocks: their sink was written steps before, and its shadow
+    has gone to the other requests' windows, so at most the sink is read as stored."""
+    _vllm_scheduler()
+    m = _module()
+    ample = m.replay("8x512+128", 128 * 64, 8, windows=(4, 128))
+    chunked = m.replay("2x1000+16", 100 * 64, 8, max_num_batched_tokens=512, windows=(4, 128))
+    assert ample["window_misses"] == chunked["window_misses"] == 0
+    tight = m.replay("8x512+128", 72 * 64, 8, windows=(4, 128))
+    assert tight["preemptions"] == 1
+    assert 0 < tight["window_misses"] <= 4
+    assert "window_misses" not in m.replay("8x512+128", 128 * 64, 8)  # not asked for: no pool planned
