@@ -172,6 +172,16 @@ def test_an_evicted_shadow_is_repaired_from_its_record_and_counted():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def _assert_rows_match_the_policy(eng, rids, lens, as_stored=()):
+    """Decode rows ``rids`` of lengths ``lens`` through the pages and shadows equal the float64 reference of
+    the policy (positions ``as_stored`` read as stored)."""
+    q_nope, q_pe = torch.randn(len(rids), H, DC), torch.randn(len(rids), H, DR)
+    got = eng.decode(rids, q_nope, q_pe, lens)
+    for i, (rid, n) in enumerate(zip(rids, lens, strict=True)):
+        want = eng.reference(rid, q_nope[i], q_pe[i], as_stored=as_stored, length=n)
+        torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize(("sink", "recent", "bs"), [(4, 24, 32), (4, 40, 16), (0, 16, 64), (3, 0, 32)])
 def test_short_extends_attend_token_by_token_through_the_windows(sink, recent, bs):
     # a chunked prompt's last tokens as decode rows: row j of q reads the exact policy for its own length,
@@ -182,11 +192,7 @@ def test_short_extends_attend_token_by_token_through_the_windows(sink, recent, b
         assert eng.step(grow, short=True).all()
         rids = [rid for rid, k in grow.items() for _ in range(k)]
         lens = [len(eng.tokens[rid]) - k + 1 + j for rid, k in grow.items() for j in range(k)]
-        q_nope, q_pe = torch.randn(len(rids), H, DC), torch.randn(len(rids), H, DR)
-        got = eng.decode(rids, q_nope, q_pe, lens)
-        for i, (rid, n) in enumerate(zip(rids, lens, strict=True)):
-            want = eng.reference(rid, q_nope[i], q_pe[i], length=n)
-            torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+        _assert_rows_match_the_policy(eng, rids, lens)
     assert eng.pool.misses == 0
 
 
@@ -199,12 +205,7 @@ def test_a_short_extend_keeps_its_earlier_window_when_the_pool_is_full():
     eng.step({1: 1})
     eng.step({1: 4})  # request 1 takes the last free sub-page
     assert eng.step({0: 6}, short=True).all()
-    q_nope, q_pe = torch.randn(6, H, DC), torch.randn(6, H, DR)
-    lens = list(range(61, 67))
-    got = eng.decode([0] * 6, q_nope, q_pe, lens)
-    for i, n in enumerate(lens):
-        torch.testing.assert_close(got[i].double(), eng.reference(0, q_nope[i], q_pe[i], length=n), atol=2e-5,
-                                   rtol=2e-5)  # fmt: skip
+    _assert_rows_match_the_policy(eng, [0] * 6, list(range(61, 67)))
     assert eng.pool.misses == 0
 
 
@@ -216,12 +217,7 @@ def test_a_short_extends_lost_earlier_window_is_repaired_from_its_records_and_co
     eng.step({1: 8})  # two new sub-pages for request 1, one free: request 0's oldest goes (positions 36-39)
     assert eng.step({0: 6}, short=True).all()
     assert eng.pool.misses == 3  # positions 37-39, in the windows of its first three tokens only
-    q_nope, q_pe = torch.randn(6, H, DC), torch.randn(6, H, DR)
-    lens = list(range(61, 67))
-    got = eng.decode([0] * 6, q_nope, q_pe, lens)
-    for i, n in enumerate(lens):
-        want = eng.reference(0, q_nope[i], q_pe[i], as_stored=range(37, 40), length=n)
-        torch.testing.assert_close(got[i].double(), want, atol=2e-5, rtol=2e-5)
+    _assert_rows_match_the_policy(eng, [0] * 6, list(range(61, 67)), as_stored=range(37, 40))
 
 
 def test_short_extends_the_pool_cannot_hold_attend_as_prefills():

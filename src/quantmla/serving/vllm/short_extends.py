@@ -11,7 +11,7 @@ vLLM's query offsets.
 
 Each row reads the exact decode policy for its own length: the sinks and its own last ``recent`` tokens
 unquantised. The earlier rows' windows reach back up to ``q - 1`` positions before the step's window;
-:meth:`quantmla.serving.windows.WindowPool.extend` gives them shadows (they were the last step's window),
+:meth:`quantmla.serving.windows.WindowPool.plan` (``short=``) gives them shadows (they were the last step's window),
 and a request it cannot hold this step goes down the prefill path instead (its windows then relative to
 the end of the step), said in the log.
 """
