@@ -18,7 +18,8 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   prefill does), and its context (earlier chunks of a chunked prefill, prefix-cache hits) is gathered
   and dequantised from the pages by one fused Triton launch a layer (:mod:`quantmla.kernels.gather`; the
   torch unpacking for ``fp8``/``c8r8``) through :func:`patch_context_gather`, the window tokens from
-  their shadows;
+  their shadows; the slots it reads are planned by the step's first layer
+  (:mod:`quantmla.serving.vllm.step_plans`);
 * a request adding a few tokens to its context (at most
   :data:`~quantmla.serving.vllm.short_extends.SHORT_EXTEND_TOKENS`: a chunked prompt's last piece) attends as
   that many decode rows, one kernel row a token (:mod:`quantmla.serving.vllm.short_extends`), as
@@ -60,6 +61,7 @@ from quantmla.serving.vllm.plugin_state import (
     mla_geometry,
 )
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
+from quantmla.serving.vllm.step_plans import StepPlans, context_slots
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -175,7 +177,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             step = getattr(attn_metadata, "windows", None)
             ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
             gather = ContextGather(self.layout, self.windows if ends is not None else None, step, ends,
-                                   fused=self.kernel and has_fused_gather(self.layout))  # fmt: skip
+                                   fused=self.kernel and has_fused_gather(self.layout),
+                                   plans=getattr(attn_metadata, "plans", None))  # fmt: skip
         token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
@@ -196,7 +199,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         rows = getattr(attn_metadata, "decode_tokens", None)
         if rows is not None:  # short extends among the decodes: one row a token
             log_once("quantmla plugin: short extends attend as decode tokens (one kernel row a token)")
-            table, lens = rows.rows(table, lens)
+            plans = getattr(attn_metadata, "plans", None)
+            table, lens = rows.rows(table, lens) if plans is None else plans.decode_rows(rows, table, lens)
         if not self.kernel:
             win, n_paged = {}, lens
             if self.windows is not None:
@@ -265,6 +269,7 @@ class ContextGather:
     step: object | None = None
     ends: torch.Tensor | None = None
     fused: bool = False  # through the fused Triton gather (:mod:`quantmla.kernels.gather`)
+    plans: StepPlans | None = None  # the step's plans: the slots made by its first layer (None: each layer's own)
 
 
 def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
@@ -276,17 +281,12 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
     n = int(num_tokens)
     if n == 0:
         return
-    t = torch.arange(n, device=dst.device)
-    seq = token_to_seq[:n].long()
-    pos = t - cu_seq_lens[seq].long()
-    if seq_starts is not None:
-        pos = pos + seq_starts[seq].long()
-    bs = src_cache.shape[1]
-    slots = block_table[seq, pos // bs].long() * bs + pos % bs
-    wanted = None
+    window, ends = None, None
     if gather.windows is not None:
-        cfg, end = gather.windows.cfg, gather.ends[seq].long()
-        wanted = (pos < cfg.sink) | (pos >= end - cfg.recent)
+        window, ends = (gather.windows.cfg.sink, gather.windows.cfg.recent), gather.ends
+    args = (block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
+    plan = context_slots(*args) if gather.plans is None else gather.plans.context(*args)
+    slots, wanted = plan.slots, plan.wanted
     if gather.fused and dst.dtype == torch.bfloat16 and dst.is_contiguous():
         from quantmla.kernels.gather import gather_rows
 

@@ -24,6 +24,7 @@ from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
 from quantmla.serving.vllm.short_extends import DecodeTokens, decode_tokens
+from quantmla.serving.vllm.step_plans import StepPlans
 from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
 
 logger = logging.getLogger("vllm.quantmla")
@@ -49,6 +50,7 @@ class WindowStep:
 class QuantMLAMetadata(MLACommonMetadata):
     windows: WindowStep | None = None
     decode_tokens: DecodeTokens | None = None  # short extends among the decodes (None: one token each)
+    plans: StepPlans | None = None  # what every layer reads of the step, made once (a new one a step)
 
 
 class WindowPlanning:
@@ -97,6 +99,7 @@ class WindowPlanning:
         if pool is not None:
             md.windows = WindowStep(pool, cm.seq_lens[:n])
         md.decode_tokens = decode_tokens(qsl, md.num_decodes, cm.seq_lens.device)
+        md.plans = StepPlans()
         return md
 
     def _build_split_at(self, threshold: int, common_prefix_len, cm, fast_build: bool):

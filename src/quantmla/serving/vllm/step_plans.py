@@ -1,0 +1,119 @@
+"""What every MLA layer of a step would otherwise recompute, computed by the step's first layer and reused
+by the others.
+
+vLLM hands the same attention metadata to every MLA layer of a step. In a step that prefills beside running
+decodes, each of quantmla's layers computed two things from it that are the same in every layer:
+
+* the prefill context's gather plan (:func:`context_slots`): each context token's slot in the pages and,
+  with windows, whether it is in its request's window; about 20 small kernels a layer;
+* the short extends' decode rows (:meth:`~quantmla.serving.vllm.short_extends.DecodeTokens.rows`): 3 a layer.
+
+On an H100 (vLLM 0.26, DeepSeek-V2-Lite, 27 layers, 5 x 32K prompts; ``docs/serving-gpu-1205-h100-profiles.json``)
+these were 567 of a prefill step's 1,841 kernels against FLASH_ATTN_MLA's 1,274. The 8 steps' GPU time
+was the same (0.5 ms apart in all), but the host, whose launches waited on a full launch queue, finished
+issuing that step 83 ms later than BF16's, and the previous step's token (the second request's first) came
+79 ms later.
+
+:class:`StepPlans` holds them for one step: quantmla's metadata builder makes a new one a step
+(``QuantMLAMetadata.plans``). Inside a step the plans are keyed by the tensors vLLM passes (their addresses:
+vLLM builds them once a step and keeps them for the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from quantmla.serving.vllm.short_extends import DecodeTokens
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ContextSlots:
+    """A chunk of the prefill context as read from the pages: ``slots [n]`` (int64, token ``i``'s slot) and
+    ``wanted [n]`` (bool, token ``i`` is in its request's window: read from its shadow; ``None`` without
+    windows)."""
+
+    slots: torch.Tensor
+    wanted: torch.Tensor | None
+
+
+def context_slots(
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    token_to_seq: torch.Tensor,
+    num_tokens: int,
+    block_size: int,
+    seq_starts: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
+    ends: torch.Tensor | None = None,
+) -> ContextSlots:
+    """vLLM's chunked-context layout (``gather_and_maybe_dequant_cache``'s arguments): token ``i`` of the
+    chunk belongs to request ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq] + seq_starts[seq]``.
+    With ``window = (sink, recent)`` and ``ends`` (each prefill request's length after the step), the tokens
+    of its first ``sink`` or last ``recent`` positions are marked ``wanted``."""
+    if (window is None) != (ends is None):
+        raise ValueError("context_slots: give both window and ends, or neither")
+    t = torch.arange(num_tokens, device=block_table.device)
+    seq = token_to_seq[:num_tokens].long()
+    pos = t - cu_seq_lens[seq].long()
+    if seq_starts is not None:
+        pos = pos + seq_starts[seq].long()
+    slots = block_table[seq, pos // block_size].long() * block_size + pos % block_size
+    wanted = None
+    if window is not None:
+        sink, recent = window
+        wanted = (pos < sink) | (pos >= ends[seq].long() - recent)
+    return ContextSlots(slots, wanted)
+
+
+class StepPlans:
+    """One step's plans, each made by the first layer that asks and returned to the others."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, object] = {}
+
+    def _get(self, key: tuple, make: Callable[[], T]) -> T:
+        if key not in self._plans:
+            self._plans[key] = make()
+        return self._plans[key]  # type: ignore[return-value]
+
+    def context(
+        self,
+        block_table: torch.Tensor,
+        cu_seq_lens: torch.Tensor,
+        token_to_seq: torch.Tensor,
+        num_tokens: int,
+        block_size: int,
+        seq_starts: torch.Tensor | None = None,
+        window: tuple[int, int] | None = None,
+        ends: torch.Tensor | None = None,
+    ) -> ContextSlots:
+        """:func:`context_slots` of one chunk of the step's context, once a step."""
+        key = (
+            "context",
+            *(_address(x) for x in (block_table, cu_seq_lens, token_to_seq, seq_starts, ends)),
+            num_tokens,
+            block_size,
+            window,
+        )
+        return self._get(key, lambda: context_slots(block_table, cu_seq_lens, token_to_seq, num_tokens,
+                                                     block_size, seq_starts, window, ends))  # fmt: skip
+
+    def decode_rows(
+        self, rows: DecodeTokens, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows.rows(block_table, seq_lens)``, once a step."""
+        key = ("rows", *(_address(x) for x in (rows.request, rows.back, block_table, seq_lens)))
+        return self._get(key, lambda: rows.rows(block_table, seq_lens))
+
+
+def _address(x: torch.Tensor | None) -> tuple | None:
+    """A tensor's place in memory (views of different rows differ), for keys that live one step."""
+    if x is None:
+        return None
+    return (x.data_ptr(), x.dtype, tuple(x.shape), tuple(x.stride()))
