@@ -7,7 +7,7 @@ import torch
 
 import quantmla.serving.vllm.step_plans as sp
 from quantmla.serving.vllm.short_extends import decode_tokens
-from quantmla.serving.vllm.step_plans import StepPlans, context_slots
+from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_slots
 
 BS = 4
 
@@ -36,31 +36,31 @@ def _loop_reference(table, lens, starts, window, ends):
 def test_context_slots_follow_vllms_chunk_layout(window):
     lens, starts, ends = [5, 1, 13, 7], [0, 9, 6, 2], [30, 12, 40, 9]
     table, cu, to_seq, st = _chunked_context(lens, starts)
-    plan = context_slots(table, cu, to_seq, sum(lens), BS, st, window, torch.tensor(ends))
+    plan = context_slots(ContextChunk(table, cu, to_seq, sum(lens), BS, st, window, torch.tensor(ends)))
     want_slots, want_marks = _loop_reference(table, lens, starts, window, ends)
     assert plan.slots.dtype == torch.int64 and plan.slots.tolist() == want_slots
     assert plan.wanted.tolist() == want_marks
-    bare = context_slots(table, cu, to_seq, sum(lens), BS, st)  # no windows: slots alone
+    bare = context_slots(ContextChunk(table, cu, to_seq, sum(lens), BS, st))  # no windows: slots alone
     assert bare.wanted is None and bare.slots.tolist() == want_slots
 
 
 def test_context_slots_without_starts_read_from_position_zero():
     lens = [3, 6]
     table, cu, to_seq, _ = _chunked_context(lens, [0, 0], seed=1)
-    assert context_slots(table, cu, to_seq, 9, BS).slots.tolist() == _loop_reference(
+    assert context_slots(ContextChunk(table, cu, to_seq, 9, BS)).slots.tolist() == _loop_reference(
         table, lens, [0, 0], (0, 0), [9, 9])[0]  # fmt: skip
 
 
 def test_window_and_ends_come_together():
     table, cu, to_seq, st = _chunked_context([2], [0])
     with pytest.raises(ValueError, match="window and ends"):
-        context_slots(table, cu, to_seq, 2, BS, st, window=(4, 8))
+        ContextChunk(table, cu, to_seq, 2, BS, st, window=(4, 8))
 
 
 def test_a_step_plans_each_chunk_once_and_tells_chunks_apart(monkeypatch):
     made = []
     real = sp.context_slots
-    monkeypatch.setattr(sp, "context_slots", lambda *a: made.append(a) or real(*a))
+    monkeypatch.setattr(sp, "context_slots", lambda c: made.append(c) or real(c))
     # two chunks of one step as vLLM lays them out: rows of 2-D tensors, the same token count
     lens_a, lens_b, starts_b = [3, 5], [6, 2], [3, 5]
     table, cu_a, seq_a, _ = _chunked_context(lens_a, [0, 0], seed=2)
@@ -69,12 +69,14 @@ def test_a_step_plans_each_chunk_once_and_tells_chunks_apart(monkeypatch):
     starts = torch.stack([torch.zeros(2, dtype=torch.int32), st_b])
     ends = torch.tensor([20, 20])
     plans = StepPlans()
-    first = [plans.context(table, cu[i], to_seq[i], 8, BS, starts[i], (1, 2), ends) for i in (0, 1)]
-    again = [plans.context(table, cu[i], to_seq[i], 8, BS, starts[i], (1, 2), ends) for i in (0, 1)]  # layers 2..
+    # each layer builds its own ContextChunk from the same tensors (views made anew, as vLLM's [i] does)
+    chunk = [lambda i=i: ContextChunk(table, cu[i], to_seq[i], 8, BS, starts[i], (1, 2), ends) for i in (0, 1)]
+    first = [plans.context(c()) for c in chunk]
+    again = [plans.context(c()) for c in chunk]  # layers 2..
     assert len(made) == 2 and all(a is b for a, b in zip(first, again, strict=True))
     for plan, lens, st in zip(first, (lens_a, lens_b), ([0, 0], starts_b), strict=True):
         assert plan.slots.tolist() == _loop_reference(table, lens, st, (1, 2), [20, 20])[0]
-    assert StepPlans().context(table, cu[0], to_seq[0], 8, BS, starts[0], (1, 2), ends) is not first[0]  # next step
+    assert StepPlans().context(chunk[0]()) is not first[0]  # next step
 
 
 def test_a_step_maps_its_decode_rows_once():

@@ -61,7 +61,7 @@ from quantmla.serving.vllm.plugin_state import (
     mla_geometry,
 )
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
-from quantmla.serving.vllm.step_plans import StepPlans, context_slots
+from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_slots
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -284,8 +284,8 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
     window, ends = None, None
     if gather.windows is not None:
         window, ends = (gather.windows.cfg.sink, gather.windows.cfg.recent), gather.ends
-    args = (block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
-    plan = context_slots(*args) if gather.plans is None else gather.plans.context(*args)
+    chunk = ContextChunk(block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
+    plan = context_slots(chunk) if gather.plans is None else gather.plans.context(chunk)
     slots, wanted = plan.slots, plan.wanted
     if gather.fused and dst.dtype == torch.bfloat16 and dst.is_contiguous():
         from quantmla.kernels.gather import gather_rows

@@ -4,8 +4,8 @@ by the others.
 vLLM hands the same attention metadata to every MLA layer of a step. In a step that prefills beside running
 decodes, each of quantmla's layers computed two things from it that are the same in every layer:
 
-* the prefill context's gather plan (:func:`context_slots`): each context token's slot in the pages and,
-  with windows, whether it is in its request's window; about 20 small kernels a layer;
+* the prefill context's gather plan (:func:`context_slots` of a :class:`ContextChunk`): each context token's
+  slot in the pages and, with windows, whether it is in its request's window; about 20 small kernels a layer;
 * the short extends' decode rows (:meth:`~quantmla.serving.vllm.short_extends.DecodeTokens.rows`): 3 a layer.
 
 On an H100 (vLLM 0.26, DeepSeek-V2-Lite, 27 layers, 5 x 32K prompts; ``docs/serving-gpu-1205-h100-profiles.json``)
@@ -42,32 +42,45 @@ class ContextSlots:
     wanted: torch.Tensor | None
 
 
-def context_slots(
-    block_table: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-    token_to_seq: torch.Tensor,
-    num_tokens: int,
-    block_size: int,
-    seq_starts: torch.Tensor | None = None,
-    window: tuple[int, int] | None = None,
-    ends: torch.Tensor | None = None,
-) -> ContextSlots:
-    """vLLM's chunked-context layout (``gather_and_maybe_dequant_cache``'s arguments): token ``i`` of the
-    chunk belongs to request ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq] + seq_starts[seq]``.
-    With ``window = (sink, recent)`` and ``ends`` (each prefill request's length after the step), the tokens
-    of its first ``sink`` or last ``recent`` positions are marked ``wanted``."""
-    if (window is None) != (ends is None):
-        raise ValueError("context_slots: give both window and ends, or neither")
-    t = torch.arange(num_tokens, device=block_table.device)
-    seq = token_to_seq[:num_tokens].long()
-    pos = t - cu_seq_lens[seq].long()
-    if seq_starts is not None:
-        pos = pos + seq_starts[seq].long()
-    slots = block_table[seq, pos // block_size].long() * block_size + pos % block_size
+@dataclass(frozen=True, eq=False)
+class ContextChunk:
+    """One chunk of vLLM's chunked context, as ``gather_and_maybe_dequant_cache`` gets it: token ``i`` belongs
+    to request ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq] + seq_starts[seq]`` (``seq_starts``
+    ``None``: from 0). With ``window = (sink, recent)`` and ``ends`` (each prefill request's length after the
+    step), the tokens of its first ``sink`` or last ``recent`` positions are in its window."""
+
+    block_table: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    token_to_seq: torch.Tensor
+    num_tokens: int
+    block_size: int
+    seq_starts: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    ends: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.window is None) != (self.ends is None):
+            raise ValueError("ContextChunk: give both window and ends, or neither")
+
+    def key(self) -> tuple:
+        """What tells this chunk apart from the step's others."""
+        tensors = (self.block_table, self.cu_seq_lens, self.token_to_seq, self.seq_starts, self.ends)
+        return (*(_address(x) for x in tensors), self.num_tokens, self.block_size, self.window)
+
+
+def context_slots(chunk: ContextChunk) -> ContextSlots:
+    """Each token's slot in the pages and, with windows, its window mark."""
+    t = torch.arange(chunk.num_tokens, device=chunk.block_table.device)
+    seq = chunk.token_to_seq[: chunk.num_tokens].long()
+    pos = t - chunk.cu_seq_lens[seq].long()
+    if chunk.seq_starts is not None:
+        pos = pos + chunk.seq_starts[seq].long()
+    bs = chunk.block_size
+    slots = chunk.block_table[seq, pos // bs].long() * bs + pos % bs
     wanted = None
-    if window is not None:
-        sink, recent = window
-        wanted = (pos < sink) | (pos >= ends[seq].long() - recent)
+    if chunk.window is not None:
+        sink, recent = chunk.window
+        wanted = (pos < sink) | (pos >= chunk.ends[seq].long() - recent)
     return ContextSlots(slots, wanted)
 
 
@@ -82,27 +95,9 @@ class StepPlans:
             self._plans[key] = make()
         return self._plans[key]  # type: ignore[return-value]
 
-    def context(
-        self,
-        block_table: torch.Tensor,
-        cu_seq_lens: torch.Tensor,
-        token_to_seq: torch.Tensor,
-        num_tokens: int,
-        block_size: int,
-        seq_starts: torch.Tensor | None = None,
-        window: tuple[int, int] | None = None,
-        ends: torch.Tensor | None = None,
-    ) -> ContextSlots:
+    def context(self, chunk: ContextChunk) -> ContextSlots:
         """:func:`context_slots` of one chunk of the step's context, once a step."""
-        key = (
-            "context",
-            *(_address(x) for x in (block_table, cu_seq_lens, token_to_seq, seq_starts, ends)),
-            num_tokens,
-            block_size,
-            window,
-        )
-        return self._get(key, lambda: context_slots(block_table, cu_seq_lens, token_to_seq, num_tokens,
-                                                     block_size, seq_starts, window, ends))  # fmt: skip
+        return self._get(("context", *chunk.key()), lambda: context_slots(chunk))
 
     def decode_rows(
         self, rows: DecodeTokens, block_table: torch.Tensor, seq_lens: torch.Tensor
