@@ -61,7 +61,7 @@ from quantmla.serving.vllm.plugin_state import (
     mla_geometry,
 )
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
-from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_slots
+from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -176,9 +176,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if self.layout is not None:
             step = getattr(attn_metadata, "windows", None)
             ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
-            gather = ContextGather(self.layout, self.windows if ends is not None else None, step, ends,
-                                   fused=self.kernel and has_fused_gather(self.layout),
-                                   plans=getattr(attn_metadata, "plans", None))  # fmt: skip
+            gather = ContextGather(self.layout, attn_metadata.plans, self.windows if ends is not None else None,
+                                   step, ends, fused=self.kernel and has_fused_gather(self.layout))  # fmt: skip
         token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
@@ -199,8 +198,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         rows = getattr(attn_metadata, "decode_tokens", None)
         if rows is not None:  # short extends among the decodes: one row a token
             log_once("quantmla plugin: short extends attend as decode tokens (one kernel row a token)")
-            plans = getattr(attn_metadata, "plans", None)
-            table, lens = rows.rows(table, lens) if plans is None else plans.decode_rows(rows, table, lens)
+            table, lens = attn_metadata.plans.decode_rows(rows, table, lens)
         if not self.kernel:
             win, n_paged = {}, lens
             if self.windows is not None:
@@ -265,11 +263,11 @@ class ContextGather:
     tokens in their request's window (``ends``: the prefill requests' lengths after the step)."""
 
     layout: RecordLayout
+    plans: StepPlans  # the step's plans: the slots made by its first layer, reused by the others
     windows: LayerWindows | None = None
     step: object | None = None
     ends: torch.Tensor | None = None
     fused: bool = False  # through the fused Triton gather (:mod:`quantmla.kernels.gather`)
-    plans: StepPlans | None = None  # the step's plans: the slots made by its first layer (None: each layer's own)
 
 
 def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
@@ -285,7 +283,7 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
     if gather.windows is not None:
         window, ends = (gather.windows.cfg.sink, gather.windows.cfg.recent), gather.ends
     chunk = ContextChunk(block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
-    plan = context_slots(chunk) if gather.plans is None else gather.plans.context(chunk)
+    plan = gather.plans.context(chunk)
     slots, wanted = plan.slots, plan.wanted
     if gather.fused and dst.dtype == torch.bfloat16 and dst.is_contiguous():
         from quantmla.kernels.gather import gather_rows
