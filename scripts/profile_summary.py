@@ -119,6 +119,8 @@ def add_host_side(spans: list[dict], gpu_marks: list[dict], each: list[dict]) ->
 
 def traces(root: Path) -> list[tuple[str, Path]]:
     """(label, trace) pairs: a single trace file, or each scheme subfolder's traces."""
+    if not root.exists():
+        raise SystemExit(f"no such trace or folder: {root} (give the --profile-dir folder or one *.json.gz trace)")
     if root.is_file():
         return [(root.name.split(".")[0], root)]
     return [

@@ -88,3 +88,16 @@ def test_no_hosts_side_when_the_timelines_do_not_pair():
     ev = _trace() + [_host(0, "execute_context_2(64)_generation_0(0)", 10)]  # one host mark for five steps
     each = _module().summarise(ev, top=1)["each"]
     assert all("host_span_us" not in e for e in each)
+
+
+def test_a_missing_path_is_one_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no such trace or folder: .*nowhere"):
+        _module().traces(tmp_path / "nowhere")
+
+
+def test_a_single_trace_or_a_folder_of_schemes(tmp_path):
+    (tmp_path / "c4r4").mkdir()
+    trace = tmp_path / "c4r4" / "w0.pt.trace.json.gz"
+    trace.write_bytes(b"")
+    assert _module().traces(tmp_path) == [("c4r4", trace)]
+    assert _module().traces(trace) == [("w0", trace)]
