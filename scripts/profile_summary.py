@@ -104,7 +104,7 @@ def add_host_side(spans: list[dict], gpu_marks: list[dict], each: list[dict]) ->
         (e for e in spans if e.get("cat") == "user_annotation" and STEP.match(str(e.get("name", "")))),
         key=lambda e: e["ts"],
     )
-    if len(host) != len(gpu_marks) or not any(e.get("cat") == "gpu_user_annotation" for e in gpu_marks):
+    if len(host) != len(gpu_marks) or gpu_marks[0].get("cat") != "gpu_user_annotation":  # all or none are
         return
     t0 = gpu_marks[0]["ts"]
     calls = sorted(e["ts"] for e in spans if e.get("cat") == "cuda_runtime")

@@ -9,10 +9,11 @@ decodes, each of quantmla's layers computed two things from it that are the same
 * the short extends' decode rows (:meth:`~quantmla.serving.vllm.short_extends.DecodeTokens.rows`): 3 a layer.
 
 On an H100 (vLLM 0.26, DeepSeek-V2-Lite, 27 layers, 5 x 32K prompts; ``docs/serving-gpu-1205-h100-profiles.json``)
-these were 567 of a prefill step's 1,841 kernels against FLASH_ATTN_MLA's 1,274. The 8 steps' GPU time
-was the same (0.5 ms apart in all), but the host, whose launches waited on a full launch queue, finished
-issuing that step 83 ms later than BF16's, and the previous step's token (the second request's first) came
-79 ms later.
+these were 567 of a prefill step's 1,841 GPU operations (kernels, copies, memsets) against FLASH_ATTN_MLA's
+1,274. The 8 steps' GPU time was the same (0.5 ms apart in all), but the host, whose launches waited on a full
+launch queue, finished issuing that step 83 ms later than BF16's, and the previous step's token (the second
+request's first) came 79 ms later. With the plans, on another H100 side by side with BF16
+(``docs/serving-gpu-1205-h100c.json``): 1,322 operations against 1,274, and that token 1 ms later.
 
 :class:`StepPlans` holds them for one step: quantmla's metadata builder makes a new one a step
 (``QuantMLAMetadata.plans``). Inside a step the plans are keyed by the tensors vLLM passes (their addresses:
