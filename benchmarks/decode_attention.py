@@ -52,13 +52,14 @@ def random_store(scheme: str, batch: int, ctx: int, gen: torch.Generator):
     lay = PagedLayout(cb, rb, DC, DR, 64, PAGE)
     pages = batch * math.ceil(ctx / PAGE)
     store = PagedLatentStore(lay, pages, device="cuda")
-    for t in store.tensors():
-        if t.dtype == torch.uint8:
-            t.random_(0, 256, generator=gen)
-        elif t.dtype == torch.float16:
-            t.uniform_(0.01, 0.1, generator=gen)
+    for name in store.records.fields:
+        f = store.field(name)
+        if name == "bf16":
+            f.view(torch.bfloat16).normal_(generator=gen)
+        elif name.endswith("_sm"):
+            f.view(torch.float16).uniform_(0.01, 0.1, generator=gen)
         else:
-            t.normal_(generator=gen)
+            f.random_(0, 256, generator=gen)
     bt = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).int()
     n_paged = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     return store, bt, n_paged
@@ -70,14 +71,18 @@ def torch_reference(q_lat, q_pe, store, bt, n_paged, scale):
     B = q_lat.shape[0]
     pages = bt.long()
     if lay.quantized:
-        from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES, unpack_words
+        from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES, unpack_words
 
-        codes = unpack_words(store.content[pages], lay.content_bits, CONTENT_PLANES).to(torch.bfloat16)  # [B,P,T,DC]
-        sc = store.c_scale[pages].repeat_interleave(64, -1).to(torch.bfloat16)
-        mn = store.c_min[pages].repeat_interleave(64, -1).to(torch.bfloat16)
-        c = (codes * sc + mn).flatten(1, 2)
-        rc = unpack_words(store.rope[pages], lay.rope_bits, ROPE_PLANES).to(torch.bfloat16)
-        r = (rc * store.r_scale[pages].to(torch.bfloat16) + store.r_min[pages].to(torch.bfloat16)).flatten(1, 2)
+        def sm(name):  # (scale, minimum) per token and group
+            return store.field(name)[pages].contiguous().view(torch.float16).unflatten(-1, (-1, 2))
+
+        codes = unpack_words(store.field("c_codes")[pages], lay.content_bits, CONTENT_PLANES).to(torch.bfloat16)
+        c_sm, r_sm = sm("c_sm"), sm("r_sm")
+        sc = c_sm[..., 0].repeat_interleave(64, -1).to(torch.bfloat16)
+        mn = c_sm[..., 1].repeat_interleave(64, -1).to(torch.bfloat16)
+        c = (codes * sc + mn).flatten(1, 2)  # [B, P * T, DC]
+        rc = unpack_words(store.field("r_codes")[pages], lay.rope_bits, ROPE_PLANES).to(torch.bfloat16)
+        r = (rc * r_sm[..., 0].to(torch.bfloat16) + r_sm[..., 1].to(torch.bfloat16)).flatten(1, 2)
     else:
         kv = store.content[pages].flatten(1, 2)
         c, r = kv[..., :DC], kv[..., DC:]

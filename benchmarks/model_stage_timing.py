@@ -18,8 +18,8 @@ from shapes import v2_lite_model
 
 from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, model_loss
 from quantmla.calibrate.objectives import latent_gain
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models import get_adapter
-from quantmla.quant.scheme import parse_scheme
 from quantmla.transforms import ContentTransform, RopeTransform
 
 

@@ -256,8 +256,8 @@ def decode_step(args) -> list[dict]:
     import torch
     from vllm import _custom_ops as ops
 
+    from quantmla.formats.records import RecordLayout
     from quantmla.serving.paged_decode import paged_decode
-    from quantmla.serving.records import RecordLayout
 
     rows = []
     for b, length in ((8, 1024), (16, 2048), (16, 4096)):
@@ -413,12 +413,12 @@ def decode_step_gpu(args) -> list[dict]:
     import torch
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
+    from quantmla.formats.records import RecordLayout
+    from quantmla.formats.windows import WindowPolicy
     from quantmla.kernels import PagedLatentStore, PagedLayout
     from quantmla.kernels.decode import ShadowWindow, mla_decode
     from quantmla.kernels.write import write_records
-    from quantmla.serving.kernel_pages import KernelPages
-    from quantmla.serving.records import RecordLayout
-    from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+    from quantmla.serving.windows import ShadowRows, WindowPool
 
     def timed(fn) -> float:
         """Median µs of one call, replayed from a CUDA graph of 10 calls (no launch overhead: the engine
@@ -462,11 +462,11 @@ def decode_step_gpu(args) -> list[dict]:
             lay = RecordLayout(scheme)
             pg = torch.empty(b * pages, bs, lay.record_bytes, dtype=torch.uint8, device=dev)
             lay.write_pages(pg, torch.arange(b * pages * bs, device=dev), c, r)
-            store = KernelPages(pg, lay)
+            store = PagedLatentStore.from_pages(pg, lay)
             row[f"{scheme}_us"] = timed(functools.partial(mla_decode, q[..., :512], q[..., 512:], store, table, lens,
                                                           0.1))  # fmt: skip
             if scheme != "bf16":  # the engine's step with windows (4 + 128): the kernel reads the rows in place
-                wcfg = WindowConfig(4, 128)
+                wcfg = WindowPolicy(4, 128)
                 pool = WindowPool(wcfg, b * pages * bs, b, dev)
                 pool.plan(table.cpu().numpy(), lens.cpu().numpy(), lens.cpu().numpy(), bs)
                 shadow = ShadowRows(wcfg, b, 576, torch.bfloat16, dev)

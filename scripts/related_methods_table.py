@@ -20,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from quantmla.formats.scheme import CacheScheme, PathFormat, parse_scheme  # noqa: E402
 from quantmla.models.loading import DEFAULT_MODEL, inspect_model  # noqa: E402
-from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme  # noqa: E402
 
 _DIMS = inspect_model(DEFAULT_MODEL).dims  # the bundled model v2 (the results' model)
 D_C, D_R = _DIMS.kv_lora_rank, _DIMS.rope_dim

@@ -3,9 +3,9 @@ the model's logits within 1e-9."""
 
 import torch
 
-from quantmla.eval.simulate import simulated_decode
-from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
-from quantmla.quant.scheme import parse_scheme
+from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
+from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.simulate import simulated_decode
 
 
 def float64_norms(model) -> None:

@@ -30,13 +30,14 @@ import time
 
 import torch
 
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import WindowPolicy
 from quantmla.kernels.decode import ShadowWindow, mla_decode
+from quantmla.kernels.layout import PagedLatentStore
 from quantmla.kernels.splits import default_num_splits, planned_pages_per_split, split_capacity
 from quantmla.kernels.write import write_records
-from quantmla.serving.kernel_pages import KernelPages
-from quantmla.serving.records import RecordLayout
 from quantmla.serving.vllm.plugin_state import graph_min_batch
-from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+from quantmla.serving.windows import ShadowRows, WindowPool
 
 CASES = [(5, 32768, 8, 33792), (5, 32768, 5, 32768), (8, 32768, 8, 33792), (3, 32768, 4, 33792),
          (48, 4096, 48, 6144), (40, 4096, 48, 6144), (6, 12288, 8, 14336)]  # fmt: skip
@@ -86,7 +87,7 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
     lens = torch.zeros(batch, dtype=torch.int32, device=dev)
     lens[:real] = length
     q = (torch.randn(batch, h, 576, device=dev) / 8).bfloat16()
-    wcfg = WindowConfig(4, 128)
+    wcfg = WindowPolicy(4, 128)
     stores = []
     for _ in range(layers):
         pg = torch.empty(real * pages + 1, bs, lay.record_bytes, dtype=torch.uint8, device=dev)
@@ -98,7 +99,9 @@ def case(real: int, length: int, batch: int, max_len: int, layers: int, repeats:
         write_records(lay, pg, torch.arange(real * pages * bs, device=dev), c, r, shadow_rows=shadow.rows,
                       shadow_map=pool.map)  # fmt: skip
         del c, r
-        stores.append((KernelPages(pg, lay), ShadowWindow(shadow.rows, pool.map, 4, 128), pg, pool, shadow))
+        stores.append(
+            (PagedLatentStore.from_pages(pg, lay), ShadowWindow(shadow.rows, pool.map, 4, 128), pg, pool, shadow)
+        )
     lo = graph_min_batch(batch, VLLM_SIZES)
     cap = split_capacity(batch, 1, width, torch.device(dev), min_batch=lo)
     row = {"scheme": scheme, "real": real, "L": length, "graph_batch": batch, "table_pages": width,

@@ -95,7 +95,7 @@ def _signature(fn, types: dict) -> dict:
 
 
 def lowbit(bits: int, block_h: int, warps: int, stages: int, dc: int = 512, maxnreg: int | None = None):
-    from quantmla.kernels.decode_lowbit import _lowbit_kernel
+    from quantmla.kernels.decode_lowbit import lowbit_kernel
     from quantmla.kernels.splits import MAX_SPLITS, PLAN_BLOCK
 
     types = dict(Q="*bf16", QR="*bf16", CW="*i32" if bits == 4 else "*i16", CSM="*i32", RW="*i16", RSM="*i32",
@@ -103,8 +103,8 @@ def lowbit(bits: int, block_h: int, warps: int, stages: int, dc: int = 512, maxn
                  ROWS="*bf16", MAP="*i32", TRASH="i64")  # fmt: skip
     consts = dict(DC=dc, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=block_h, CBITS=bits, ASM_OK=True, DT=tl.float16,
                   WS=0, WR=0, SUB=4, WBLOCK_T=16, PLAN=True, SMS=132, MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)  # fmt: skip
-    sig = {n: t for n, t in _signature(_lowbit_kernel, types).items() if n not in consts}
-    return compile_sm90(_lowbit_kernel, sig, consts, warps, stages, maxnreg)
+    sig = {n: t for n, t in _signature(lowbit_kernel, types).items() if n not in consts}
+    return compile_sm90(lowbit_kernel, sig, consts, warps, stages, maxnreg)
 
 
 def bf16(block_h: int, warps: int, stages: int, dc: int = 512, maxnreg: int | None = None):

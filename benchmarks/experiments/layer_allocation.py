@@ -27,9 +27,9 @@ from quantmla.calibrate import calibrate_model
 from quantmla.calibrate.layer_alloc import greedy
 from quantmla.eval import PerplexityConfig, perplexity
 from quantmla.eval.ppl import paired_bootstrap
+from quantmla.formats.codec import LayerCodec, ModelCodec
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models.loading import builtin_text
-from quantmla.quant.codec import LayerCodec, ModelCodec
-from quantmla.quant.scheme import parse_scheme
 
 RECIPE = dict(num_seqs=32, val_seqs=8, seq_len=512, progress=False, paths=("content",), method="raq")
 

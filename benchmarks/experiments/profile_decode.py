@@ -4,7 +4,7 @@ On the lent H200 (Firecracker runtime) ncu reads the hardware counters when it l
 alone; the stall reasons and shared-memory traffic behind BENCHMARKS.md's diagnosis come from:
 
     export PYTHONPATH=src:benchmarks
-    ncu --clock-control none --kernel-name regex:_lowbit_kernel --launch-skip 2 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:lowbit_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section Occupancy \
         --metrics $(python benchmarks/experiments/profile_decode.py --metrics) \
         python benchmarks/experiments/profile_decode.py --scheme c4r4 --heads 16

@@ -19,12 +19,12 @@ import torch
 
 import quantmla
 from quantmla.calibrate.rope_energy import rope_block_scores
-from quantmla.eval.ppl import token_windows
+from quantmla.formats.scheme import PathFormat
+from quantmla.measure.tokens import token_windows
 from quantmla.models.adapter import get_adapter
 from quantmla.models.loading import builtin_text
 from quantmla.quant.allocate import greedy_allocation
 from quantmla.quant.mixed import pair_channel_bits
-from quantmla.quant.scheme import PathFormat
 
 
 def main() -> None:

@@ -19,14 +19,15 @@ import torch
 
 import quantmla
 from quantmla.calibrate.rope_energy import rope_block_scores
-from quantmla.eval.ppl import paired_bootstrap, token_windows
-from quantmla.eval.simulate import SimulatedDecodeCache, installed
+from quantmla.eval.ppl import paired_bootstrap
+from quantmla.formats.scheme import CacheScheme, PathFormat, parse_scheme
+from quantmla.measure.simulate import SimulatedDecodeCache, installed
+from quantmla.measure.tokens import token_windows
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import module_states
 from quantmla.models.loading import builtin_text
 from quantmla.quant.allocate import greedy_allocation
 from quantmla.quant.mixed import pair_channel_bits
-from quantmla.quant.scheme import CacheScheme, PathFormat, parse_scheme
 
 
 @torch.no_grad()

@@ -57,13 +57,14 @@ def kv_tokens_for(scheme: str, budget_mib: float, max_num_seqs: int, windows: tu
     plugin's blocks follow: each layer's shadow rows, sized by ``max_num_seqs``, come off the budget)."""
     import torch
 
-    from quantmla.serving.records import RecordLayout
-    from quantmla.serving.windows import ShadowRows, WindowConfig
+    from quantmla.formats.records import RecordLayout
+    from quantmla.formats.windows import WindowPolicy
+    from quantmla.serving.windows import ShadowRows
 
     layout = RecordLayout(scheme.removesuffix("-vllm"), D_LATENT, D_ROPE, 64)  # vLLM's own BF16: the bf16 record
     shadow = 0
     if any(windows) and not scheme.endswith("-vllm") and layout.cache_scheme.quantized:  # the plugin's windows
-        shadow = ShadowRows(WindowConfig(*windows), max_num_seqs, D_LATENT + D_ROPE, torch.bfloat16, "meta").nbytes
+        shadow = ShadowRows(WindowPolicy(*windows), max_num_seqs, D_LATENT + D_ROPE, torch.bfloat16, "meta").nbytes
     return (int(budget_mib * 2**20) - LAYERS * shadow) // (LAYERS * BLOCK * layout.record_bytes) * BLOCK
 
 
@@ -85,11 +86,12 @@ class WindowPlan:
     def __init__(self, windows: tuple[int, int], kv_tokens: int, max_num_seqs: int) -> None:
         import numpy as np
 
+        from quantmla.formats.windows import WindowPolicy
         from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
-        from quantmla.serving.windows import WindowConfig, WindowPool
+        from quantmla.serving.windows import WindowPool
 
         self.np, self.short = np, SHORT_EXTEND_TOKENS
-        self.pool = WindowPool(WindowConfig(*windows), kv_tokens, max_num_seqs, "cpu")
+        self.pool = WindowPool(WindowPolicy(*windows), kv_tokens, max_num_seqs, "cpu")
         self.pool.register(0, lambda rows, slots: None)  # no shadow rows here: only the plan and its misses
 
     def step(self, sched, so) -> None:

@@ -10,13 +10,14 @@ from typer.testing import CliRunner
 
 from quantmla import enable_latent_attention
 from quantmla.analysis import AnalysisConfig, analyze
-from quantmla.analysis.capture import capture_attention_call
 from quantmla.analysis.report import write
-from quantmla.analysis.response import path_function, probe_sums, run_attention
+from quantmla.analysis.response import path_function, probe_sums
 from quantmla.cli.main import app
+from quantmla.formats import parse_scheme
+from quantmla.measure.attention import run_attention
+from quantmla.measure.capture import capture_attention_call
 from quantmla.models import get_adapter
 from quantmla.models.compat import CACHE_KWARG
-from quantmla.quant import parse_scheme
 from tiny_models import tiny_model
 
 NAME, LAYER = "deepseek_v3", 1

@@ -131,7 +131,7 @@ def test_triton_backend_honours_page_size(page):
     cache.update(c[:, :, :-1], r[:, :, :-1], 0)
     cache.update(c[:, :, -1:], r[:, :, -1:], 0)
     layer = cache.layers[0]
-    assert layer.layout.page_size == page and layer.store.content.shape[1] == page
+    assert layer.layout.page_size == page and layer.store.pages.shape[1] == page
     n_mid = T - sink - recent
     assert layer.free_page == B * math.ceil(n_mid / page)
     torch_cache = QuantizedLatentCache(CFG, scheme="c4r4", sink=sink, recent=recent, page_size=page, backend="torch")

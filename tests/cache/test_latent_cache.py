@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from quantmla import QuantizedLatentCache
-from quantmla.quant import parse_scheme
+from quantmla.formats import parse_scheme
 from tiny_models import tiny_config
 
 CFG = tiny_config("deepseek_v3")  # latent 128, RoPE 64

@@ -21,9 +21,9 @@ import quantmla
 from quantmla.calibrate import CalibrationConfig, calibrate_model, export, read_meta
 from quantmla.calibrate.objectives import collect
 from quantmla.cli.main import app
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models import get_adapter
 from quantmla.models.loading import builtin_text
-from quantmla.quant.scheme import parse_scheme
 from tiny_models import tiny_model
 
 SMALL = dict(steps=4, num_seqs=2, val_seqs=1, seq_len=64, batch_size=2, model_steps=10)
@@ -79,7 +79,7 @@ def test_every_method_keeps_the_float64_function(method, model_steps):
 def _fused_rtn_errors(model, windows, scheme, group_size, batch_size):
     """Per layer: (content, RoPE) held-out errors of quantising what ``model`` caches, no transform."""
     s = parse_scheme(scheme)
-    from quantmla.analysis.response import run_attention
+    from quantmla.measure.attention import run_attention
 
     errs = {}
     for idx, _ in get_adapter(model).attention_modules(model):

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from float64_codec import float64_norms, unquantised_logit_gap
 from quantmla.calibrate import calibrate_model, export
 from quantmla.calibrate.layer_alloc import greedy, layer_menu, menu_options
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models.loading import inspect_model
-from quantmla.quant.scheme import parse_scheme
 from tiny_models import tiny_model
 
 TINY = dict(num_seqs=4, val_seqs=2, seq_len=32, batch_size=2, progress=False)

@@ -10,9 +10,9 @@ from quantmla import enable_latent_attention
 from quantmla.calibrate import CalibrationConfig, calibrate_model
 from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, ModelLevelConfig, refine
 from quantmla.calibrate.objectives import latent_gain
-from quantmla.eval.simulate import simulated_decode
+from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.simulate import simulated_decode
 from quantmla.models import get_adapter
-from quantmla.quant.scheme import parse_scheme
 from quantmla.transforms import ContentTransform, RopeTransform, fuse_transforms, random_orthogonal
 from tiny_models import tiny_model
 

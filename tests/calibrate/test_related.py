@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from float64_codec import float64_norms, unquantised_logit_gap
 from quantmla.calibrate import CalibrationConfig, calibrate_model, export, layer_stage
 from quantmla.cli.main import app
-from quantmla.eval.simulate import simulated_decode
+from quantmla.measure.simulate import simulated_decode
 from quantmla.models.loading import inspect_model
 from tiny_models import tiny_model
 

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 import quantmla
-from quantmla.analysis.capture import capture_attention_call
-from quantmla.analysis.response import run_attention
 from quantmla.calibrate import calibrate_model, export
 from quantmla.eval import PerplexityConfig, perplexity
-from quantmla.eval.simulate import simulated_decode
+from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.attention import run_attention
+from quantmla.measure.capture import capture_attention_call
+from quantmla.measure.simulate import simulated_decode
 from quantmla.models import get_adapter
 from quantmla.models.loading import builtin_text
-from quantmla.quant.scheme import parse_scheme
 from tiny_models import tiny_model
 
 METHODS = ("rtn", "smoothquant", "quarot", "quantmla")

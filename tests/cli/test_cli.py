@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 import quantmla
 from quantmla import QuantizedLatentCache, enable_latent_attention
 from quantmla.cli.main import app
-from quantmla.eval.ppl import token_windows
+from quantmla.measure.tokens import token_windows
 from quantmla.models.compat import cache_kwargs
 from quantmla.models.loading import builtin_text
 

@@ -60,7 +60,8 @@ def test_the_scheme_reaches_both_request_kinds(monkeypatch):
     requested scheme: both are seen here, so a cache that silently stayed unquantised would fail."""
     import quantmla
     from quantmla.cache import QuantizedLatentCache
-    from quantmla.eval import lm_eval_adapter, simulate
+    from quantmla.eval import lm_eval_adapter
+    from quantmla.measure import simulate
 
     model, tok = quantmla.load()
     seen = {"sim": [], "cache": []}

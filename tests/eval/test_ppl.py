@@ -9,7 +9,7 @@ from quantmla.models.loading import builtin_text
 
 
 def _float64_kl(model, ids, scheme):
-    from quantmla.eval.simulate import simulated_decode
+    from quantmla.measure.simulate import simulated_decode
 
     with torch.no_grad():
         ref = torch.log_softmax(model(ids, use_cache=False).logits.double()[:, :-1], -1)
@@ -37,7 +37,7 @@ def test_bytes_dtype_and_device_are_what_ran(monkeypatch):
     """Bytes/token from a real cache after the model's own prefill (no random tensors anywhere), in the
     model's dtype: a float64 model's unquantised windows take 8 bytes a value, a bfloat16 model's 2."""
     from quantmla import QuantizedLatentCache
-    from quantmla.eval.ppl import token_windows
+    from quantmla.measure.tokens import token_windows
     from quantmla.models.compat import cache_kwargs
 
     def no_random(*args, **kwargs):
@@ -85,7 +85,7 @@ def test_group_size_that_does_not_fit_fails_before_any_forward(monkeypatch):
 
 
 def test_spread_windows_are_evenly_spaced_over_the_text():
-    from quantmla.eval.ppl import token_windows
+    from quantmla.measure.tokens import token_windows
 
     _, tok = quantmla.load()
     text = builtin_text("test")[:60_000]

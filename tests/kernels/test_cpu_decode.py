@@ -5,8 +5,8 @@ checks, also through the fused decode as its ``auto`` backend)."""
 import pytest
 import torch
 
+from quantmla.formats.records import RecordLayout
 from quantmla.serving.paged_decode import paged_decode
-from quantmla.serving.records import RecordLayout
 
 
 def _fused_or_skip():

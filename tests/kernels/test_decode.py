@@ -22,11 +22,14 @@ def make_case(content_bits, rope_bits, lens, window_lens, H, dc=128, page=16, se
     num_pages = B * maxp + 3
     store = PagedLatentStore(lay, num_pages, device=DEV)
     if poison:  # unused pages hold NaN (or NaN scales): they must never be read
-        for t in store.tensors():
-            if t.is_floating_point():
-                t.fill_(float("nan"))
+        for name in store.records.fields:
+            f = store.field(name)
+            if name == "bf16":
+                f.view(torch.bfloat16).fill_(float("nan"))
+            elif name.endswith("_sm"):
+                f.view(torch.float16).fill_(float("nan"))
             else:
-                t.copy_(torch.randint(0, 256, t.shape, generator=g).to(t.dtype).to(DEV))
+                f.copy_(torch.randint(0, 256, f.shape, generator=g).to(f.dtype).to(DEV))
     bt = torch.randperm(num_pages, generator=g)[: B * maxp].view(B, maxp).int().to(DEV)
     for b, n in enumerate(lens):
         if n:

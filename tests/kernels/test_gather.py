@@ -4,9 +4,9 @@ Triton's interpreter)."""
 import pytest
 import torch
 
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import SUB
 from quantmla.kernels.gather import gather_rows, has_fused_gather
-from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import SUB
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

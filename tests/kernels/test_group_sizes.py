@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from quantmla.kernels import PagedLatentStore, PagedLayout, unpack_words
-from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES, NoKernelLayout
+from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES, unpack_words
+from quantmla.kernels import PagedLatentStore, PagedLayout
+from quantmla.kernels.layout import NoKernelLayout
 
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
 from quantmla.kernels.decode import mla_decode  # noqa: E402
@@ -57,9 +58,10 @@ def reference64(q, qr, store, bt, n_paged, scale, fp16=False):
         n = int(n_paged[b])
         idx = torch.arange(n)
         pages, slots = bt[b, idx // lay.page_size].long().cpu(), idx % lay.page_size
-        content, c_sm = store.content.cpu()[pages, slots], store.c_sm.cpu()[pages, slots]
-        c = _dequant64(content, c_sm, lay.content_bits, CONTENT_PLANES, lay.group_size)
-        r = _dequant64(store.rope.cpu()[pages, slots], store.r_sm.cpu()[pages, slots], 4, ROPE_PLANES, lay.group_size)
+        f = {name: store.field(name).cpu()[pages, slots] for name in ("c_codes", "c_sm", "r_codes", "r_sm")}
+        c_sm, r_sm = (f[k].view(torch.float16).unflatten(-1, (-1, 2)) for k in ("c_sm", "r_sm"))  # (scale, minimum)
+        c = _dequant64(f["c_codes"], c_sm, lay.content_bits, CONTENT_PLANES, lay.group_size)
+        r = _dequant64(f["r_codes"], r_sm, 4, ROPE_PLANES, lay.group_size)
         qb, qrb = q[b].double().cpu(), qr[b].double().cpu()
         if fp16:
             c, r, qb, qrb = (x.half().double() for x in (c, r, qb, qrb))

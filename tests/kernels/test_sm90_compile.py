@@ -22,7 +22,7 @@ def _compile_all() -> None:
     from triton.compiler import ASTSource
 
     from quantmla.kernels.decode import WINDOW_BLOCK_T
-    from quantmla.kernels.decode_lowbit import _lowbit_kernel
+    from quantmla.kernels.decode_lowbit import lowbit_kernel
     from quantmla.kernels.gather import _gather_kernel
     from quantmla.kernels.splits import MAX_SPLITS, PLAN_BLOCK
 
@@ -30,7 +30,7 @@ def _compile_all() -> None:
         sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
         return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
 
-    k = build(_lowbit_kernel, dict(DC=512, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=16, CBITS=4, ASM_OK=True,
+    k = build(lowbit_kernel, dict(DC=512, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=16, CBITS=4, ASM_OK=True,
                                    DT=tl.float16, WS=4, WR=128, SUB=4, WBLOCK_T=WINDOW_BLOCK_T, PLAN=True, SMS=132,
                                    MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK),
               num_warps=4, num_stages=2)  # fmt: skip

@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantmla.formats.packing import pack_words, unpack_words
 from quantmla.kernels import unpack
-from quantmla.kernels.layout import PagedLayout, pack_words, unpack_words
+from quantmla.kernels.layout import PagedLayout
 
 
 @settings(max_examples=40, deadline=None)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is an optional dependency")
+from quantmla.formats.records import RecordLayout  # noqa: E402
 from quantmla.kernels.write import write_records  # noqa: E402
-from quantmla.serving.records import RecordLayout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

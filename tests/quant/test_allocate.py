@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantmla.formats.scheme import PathFormat
 from quantmla.models.adapter import RopeLayout
 from quantmla.quant.allocate import block_energy, greedy_allocation, modelled_error
 from quantmla.quant.mixed import pair_channel_bits
-from quantmla.quant.scheme import PathFormat
 
 
 @settings(max_examples=40, deadline=None)

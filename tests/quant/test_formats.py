@@ -12,16 +12,10 @@ from hypothesis import strategies as st
 
 from quantmla.cache.paged_store import PagedPathStore
 from quantmla.cache.store import PathStore
+from quantmla.formats.packing import pack_mixed, packed_bytes, unpack_mixed
+from quantmla.formats.scheme import PathFormat, parse_scheme
 from quantmla.quant.clip import clip_threshold, quantize_clipped
-from quantmla.quant.mixed import (
-    dequantize_mixed,
-    pack_mixed,
-    packed_bytes,
-    pair_channel_bits,
-    quantize_mixed,
-    unpack_mixed,
-)
-from quantmla.quant.scheme import PathFormat, parse_scheme
+from quantmla.quant.mixed import dequantize_mixed, pair_channel_bits, quantize_mixed
 
 SEEDS = st.integers(0, 2**31 - 1)
 

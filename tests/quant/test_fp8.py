@@ -1,6 +1,7 @@
 import torch
 
-from quantmla.quant import dequantize_fp8, parse_scheme, quantize_fp8
+from quantmla.formats import parse_scheme
+from quantmla.quant import dequantize_fp8, quantize_fp8
 
 
 def test_power_of_two_scales_and_relative_error():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from quantmla.formats.scheme import parse_scheme
 from quantmla.quant.affine import quantize_groups
 from quantmla.quant.ranged import quantize_ranged, ste_ranged
-from quantmla.quant.scheme import parse_scheme
 
 
 def _x(seed=0, shape=(3, 50, 128)):

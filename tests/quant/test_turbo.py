@@ -11,13 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantmla.cache.store import PathStore
-from quantmla.quant.scheme import parse_scheme
+from quantmla.formats.scheme import parse_scheme
 from quantmla.quant.turbo import (
     codebook,
     lloyd_max_gaussian,
     quantize_turbo,
     rotation,
-    turbo_bytes_per_token,
     width_groups,
 )
 
@@ -83,7 +82,7 @@ def test_bpe_and_storage_follow_the_formula(name, dim):
     widths = fmt.widths(dim)
     groups = len({b for b in widths if b})
     formula = math.ceil(sum(widths) / 8) + 2 * groups
-    assert fmt.bytes_per_token(dim, 64) == formula == turbo_bytes_per_token(widths)
+    assert fmt.bytes_per_token(dim, 64) == formula
     assert fmt.bits_per_element(dim, 64) == pytest.approx(8 * formula / dim)
     store = PathStore(fmt, dim, 64, batch=3, hp_dtype=torch.float32, device=torch.device("cpu"), page_size=8)
     x = torch.randn(3, 8, dim)

@@ -73,12 +73,12 @@ def test_jit_cache_names_the_kernels_in_the_triton_cache_dirs(tmp_path, monkeypa
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "t"))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "v"))
     engine = tmp_path / "v" / "torch_compile_cache" / "abc" / "rank_0_0" / "backbone" / "triton_cache"
-    for root, entry, name in ((tmp_path / "t", "A1", "_lowbit_kernel"), (engine, "B2", "_gather_kernel")):
+    for root, entry, name in ((tmp_path / "t", "A1", "lowbit_kernel"), (engine, "B2", "_gather_kernel")):
         (root / entry).mkdir(parents=True)
         (root / entry / f"{name}.json").write_text("{}")
         (root / entry / f"__grp__{name}.json").write_text("{}")
         (root / entry / f"{name}.cubin").write_text("")
-    assert sorted(es.jit_cache().values()) == ["_gather_kernel", "_lowbit_kernel"]
+    assert sorted(es.jit_cache().values()) == ["_gather_kernel", "lowbit_kernel"]
 
 
 def test_rounds_run_the_workloads_round_robin_on_each_engine():

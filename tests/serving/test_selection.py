@@ -2,7 +2,7 @@
 
 import pytest
 
-from quantmla.export_format import write_meta
+from quantmla.formats.export import write_meta
 from quantmla.serving.vllm.selection import select
 
 

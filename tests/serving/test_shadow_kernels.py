@@ -6,19 +6,20 @@ import numpy as np
 import pytest
 import torch
 
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import SUB, WindowPolicy
 from quantmla.kernels.decode import ShadowWindow, mla_decode
+from quantmla.kernels.layout import PagedLatentStore
 from quantmla.kernels.write import write_records
-from quantmla.serving.kernel_pages import KernelPages
 from quantmla.serving.paged_decode import paged_decode
-from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import SUB, ShadowRows, WindowConfig, WindowPool
+from quantmla.serving.windows import ShadowRows, WindowPool
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DC, DR, BS, H = 128, 64, 32, 16
 LENS = (150, 40, 7)
 
 
-def _engine(scheme: str, cfg: WindowConfig, seed: int = 0):
+def _engine(scheme: str, cfg: WindowPolicy, seed: int = 0):
     """Three requests written in two steps (prompt, then one token each) by the fused write with shadows."""
     g = torch.Generator().manual_seed(seed)
     lay = RecordLayout(scheme, DC, DR, 64)
@@ -45,7 +46,7 @@ def _engine(scheme: str, cfg: WindowConfig, seed: int = 0):
 
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
 def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
-    _, _, pool, shadow, ref, _, _ = _engine(scheme, WindowConfig(4, 48))
+    _, _, pool, shadow, ref, _, _ = _engine(scheme, WindowPolicy(4, 48))
     used = pool.map[pool.map >= 0].long()
     rows = (used[:, None] * SUB + torch.arange(SUB, device=DEV)).flatten()
     assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
@@ -57,12 +58,13 @@ def test_decode_reads_the_window_rows_in_place(scheme, sink, recent, wsplits):
     """Over one window program a (sequence, head group) and over several, each a run of the window's tiles
     (52 rows in 16-row tiles: one program of 4 tiles, 2 of 2, 4 of 1; 33 rows: 3 tiles, one or two a
     program)."""
-    cfg = WindowConfig(sink, recent)
+    cfg = WindowPolicy(sink, recent)
     lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg)
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(len(LENS), H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
     seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)
-    got, _ = mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), KernelPages(pages, lay), table, seq, 0.1,
+    store = PagedLatentStore.from_pages(pages, lay)
+    got, _ = mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), store, table, seq, 0.1,
                         shadow=ShadowWindow(shadow.rows, pool.map, sink, recent), window_splits=wsplits)  # fmt: skip
     win, win_len, start, n_paged = shadow.window(pool, pages, table, seq)
     torch_path = paged_decode(q[..., :DC], q[..., DC:], pages, lay, table, n_paged, 0.1, window=win,
@@ -99,5 +101,5 @@ def test_shadow_windows_need_a_quantised_store():
                           torch.full((8,), -1, dtype=torch.int32, device=DEV), 4, 8)  # fmt: skip
     table = torch.zeros(1, 4, dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="BF16 store"):
-        mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), KernelPages(pages, lay), table,
+        mla_decode(q[..., :DC].contiguous(), q[..., DC:].contiguous(), PagedLatentStore.from_pages(pages, lay), table,
                    torch.tensor([5], dtype=torch.int32, device=DEV), 0.1, shadow=shadow)  # fmt: skip

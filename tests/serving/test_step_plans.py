@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import quantmla.serving.vllm.step_plans as sp
+from quantmla.formats.windows import WindowPolicy
 from quantmla.serving.vllm.short_extends import decode_tokens
 from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_slots
 
@@ -28,11 +29,11 @@ def _loop_reference(table, lens, starts, window, ends):
     for r, (n, s) in enumerate(zip(lens, starts, strict=True)):
         for p in range(s, s + n):
             slots.append(int(table[r, p // BS]) * BS + p % BS)
-            wanted.append(p < window[0] or p >= ends[r] - window[1])
+            wanted.append(bool(window.unquantised(p, ends[r])))
     return slots, wanted
 
 
-@pytest.mark.parametrize("window", [(4, 8), (0, 3), (2, 0)])
+@pytest.mark.parametrize("window", [WindowPolicy(4, 8), WindowPolicy(0, 3), WindowPolicy(2, 0)])
 def test_context_slots_follow_vllms_chunk_layout(window):
     lens, starts, ends = [5, 1, 13, 7], [0, 9, 6, 2], [30, 12, 40, 9]
     table, cu, to_seq, st = _chunked_context(lens, starts)
@@ -48,13 +49,13 @@ def test_context_slots_without_starts_read_from_position_zero():
     lens = [3, 6]
     table, cu, to_seq, _ = _chunked_context(lens, [0, 0], seed=1)
     assert context_slots(ContextChunk(table, cu, to_seq, 9, BS)).slots.tolist() == _loop_reference(
-        table, lens, [0, 0], (0, 0), [9, 9])[0]  # fmt: skip
+        table, lens, [0, 0], WindowPolicy(0, 0), [9, 9])[0]  # fmt: skip
 
 
 def test_window_and_ends_come_together():
     table, cu, to_seq, st = _chunked_context([2], [0])
     with pytest.raises(ValueError, match="window and ends"):
-        ContextChunk(table, cu, to_seq, 2, BS, st, window=(4, 8))
+        ContextChunk(table, cu, to_seq, 2, BS, st, window=WindowPolicy(4, 8))
 
 
 def test_a_step_plans_each_chunk_once_and_tells_chunks_apart(monkeypatch):
@@ -70,12 +71,13 @@ def test_a_step_plans_each_chunk_once_and_tells_chunks_apart(monkeypatch):
     ends = torch.tensor([20, 20])
     plans = StepPlans()
     # each layer builds its own ContextChunk from the same tensors (views made anew, as vLLM's [i] does)
-    chunk = [lambda i=i: ContextChunk(table, cu[i], to_seq[i], 8, BS, starts[i], (1, 2), ends) for i in (0, 1)]
+    window = WindowPolicy(1, 2)
+    chunk = [lambda i=i: ContextChunk(table, cu[i], to_seq[i], 8, BS, starts[i], window, ends) for i in (0, 1)]
     first = [plans.context(c()) for c in chunk]
     again = [plans.context(c()) for c in chunk]  # layers 2..
     assert len(made) == 2 and all(a is b for a, b in zip(first, again, strict=True))
     for plan, lens, st in zip(first, (lens_a, lens_b), ([0, 0], starts_b), strict=True):
-        assert plan.slots.tolist() == _loop_reference(table, lens, st, (1, 2), [20, 20])[0]
+        assert plan.slots.tolist() == _loop_reference(table, lens, st, WindowPolicy(1, 2), [20, 20])[0]
     assert StepPlans().context(chunk[0]()) is not first[0]  # next step
 
 

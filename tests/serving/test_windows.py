@@ -4,33 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import SUB, WindowPolicy
 from quantmla.serving.paged_decode import paged_decode
-from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import SUB, ShadowRows, WindowConfig, WindowPool, window_positions
+from quantmla.serving.windows import ShadowRows, WindowPool
 
 DC, DR, H = 64, 32, 4
-
-
-def test_window_positions_short_and_long():
-    cfg = WindowConfig(4, 8)
-    pos, ok, start, n_paged = window_positions(torch.tensor([5, 12, 30]), cfg)
-    assert pos[0, :5].tolist() == [0, 1, 2, 3, 4] and ok[0].tolist() == [True] * 5 + [False] * 7
-    assert pos[1].tolist() == list(range(12)) and bool(ok[1].all())  # n = sink + recent: all in the window
-    assert pos[2].tolist() == [0, 1, 2, 3, *range(22, 30)] and bool(ok[2].all())
-    assert start.tolist() == [0, 0, 4] and n_paged.tolist() == [0, 0, 22]
-
-
-@pytest.mark.parametrize(("sink", "recent"), [(4, 128), (0, 16), (17, 0), (3, 5)])
-def test_subpages_per_request_cover_any_alignment(sink, recent):
-    """The sub-pages one request's window positions touch (position ``p`` lies in its request's sub-page
-    ``p // SUB``: blocks are whole sub-pages), over every length: at most ``subpages_per_request``, and
-    that many for some length."""
-    cfg = WindowConfig(sink, recent)
-    most = 0
-    for n in range(1, 2 * (sink + recent) + 3 * SUB):
-        pos, ok, _, _ = window_positions(torch.tensor([n]), cfg)
-        most = max(most, len(set((pos[ok] // SUB).tolist())))
-    assert most == cfg.subpages_per_request
 
 
 class Engine:
@@ -100,8 +79,7 @@ class Engine:
         c, r = x.split([DC, DR], dim=-1)
         sc, sr = self.layout.unpack(self.layout.pack(c, r))
         stored = torch.cat([sc, sr], dim=-1)
-        j = torch.arange(n)
-        keep = (j < self.cfg.sink) | (j >= n - self.cfg.recent)
+        keep = self.cfg.unquantised(torch.arange(n), n)  # the window policy
         keep[list(as_stored)] = False
         kv = torch.where(keep[:, None], x, stored).double()
         s = (q_nope.double() @ kv[:, :DC].T + q_pe.double() @ kv[:, DC:].T) * 0.1
@@ -110,7 +88,7 @@ class Engine:
 
 @pytest.mark.parametrize(("sink", "recent", "bs"), [(4, 24, 32), (4, 40, 16), (0, 16, 64), (3, 0, 32)])
 def test_decode_through_the_shadows_is_the_exact_policy(sink, recent, bs):
-    eng = Engine(WindowConfig(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
+    eng = Engine(WindowPolicy(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
     eng.step({0: 5, 1: 70, 2: 33})  # prefills: shorter and longer than the windows
     for t in range(40):
         grow = {0: 1, 1: 1, 2: 1} if t != 20 else {0: 1, 1: 1, 2: 1, 3: 50}  # a prefill joins mid-way
@@ -126,7 +104,7 @@ def test_decode_through_the_shadows_is_the_exact_policy(sink, recent, bs):
 
 def test_the_reference_tells_the_windows_apart():
     """The check above fails if the windows were read as stored (so it can catch a broken plan)."""
-    eng = Engine(WindowConfig(4, 24))
+    eng = Engine(WindowPolicy(4, 24))
     eng.step({0: 60})
     q_nope, q_pe = torch.randn(1, H, DC), torch.randn(1, H, DR)
     eng.shadow.rows.zero_()  # the window rows lost
@@ -135,7 +113,7 @@ def test_the_reference_tells_the_windows_apart():
 
 
 def test_finished_requests_give_their_shadows_to_new_ones():
-    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=96)
+    eng = Engine(WindowPolicy(4, 24), max_reqs=2, num_blocks=96)
     for wave in range(6):  # 12 requests through a pool sized for 2 at once
         a, b = 2 * wave, 2 * wave + 1
         eng.step({a: 40, b: 9})
@@ -151,13 +129,13 @@ def test_finished_requests_give_their_shadows_to_new_ones():
 
 
 def test_a_pool_too_small_for_the_step_is_an_error():
-    eng = Engine(WindowConfig(4, 24), max_reqs=1)
+    eng = Engine(WindowPolicy(4, 24), max_reqs=1)
     with pytest.raises(RuntimeError, match="more requests at once than it was sized for"):
         eng.step({0: 40, 1: 40})
 
 
 def test_an_evicted_shadow_is_repaired_from_its_record_and_counted():
-    eng = Engine(WindowConfig(0, SUB), block_size=16, max_reqs=1, num_blocks=32)
+    eng = Engine(WindowPolicy(0, SUB), block_size=16, max_reqs=1, num_blocks=32)
     eng.step({0: SUB + 2})  # request 0: its window [2, SUB + 2) needs 2 sub-pages, all the pool has
     eng.step({1: SUB + 2})  # request 1 takes both while 0 waits
     assert eng.pool.misses == 0
@@ -186,7 +164,7 @@ def _assert_rows_match_the_policy(eng, rids, lens, as_stored=()):
 def test_short_extends_attend_token_by_token_through_the_windows(sink, recent, bs):
     # a chunked prompt's last tokens as decode rows: row j of q reads the exact policy for its own length,
     # so its window reaches up to q - 1 positions before the step's (the last step's window)
-    eng = Engine(WindowConfig(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
+    eng = Engine(WindowPolicy(sink, recent), block_size=bs, num_blocks=64, max_reqs=4)
     eng.step({0: 90, 1: 3})
     for grow in ({0: 7, 1: 1}, {0: 1, 1: 12}, {0: 3, 1: 5}):
         assert eng.step(grow, short=True).all()
@@ -199,7 +177,7 @@ def test_short_extends_attend_token_by_token_through_the_windows(sink, recent, b
 def test_a_short_extend_keeps_its_earlier_window_when_the_pool_is_full():
     # request 0's last-step window is the oldest in a full pool: the step's own new sub-pages would evict its
     # rows that the extend's first tokens read, unless the plan keeps them
-    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng = Engine(WindowPolicy(4, 24), max_reqs=2, num_blocks=64)
     eng.step({0: 60})
     eng.step({1: 30})
     eng.step({1: 1})
@@ -210,7 +188,7 @@ def test_a_short_extend_keeps_its_earlier_window_when_the_pool_is_full():
 
 
 def test_a_short_extends_lost_earlier_window_is_repaired_from_its_records_and_counted():
-    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng = Engine(WindowPolicy(4, 24), max_reqs=2, num_blocks=64)
     eng.step({0: 60})
     eng.step({1: 30})
     eng.step({1: 1})
@@ -221,7 +199,7 @@ def test_a_short_extends_lost_earlier_window_is_repaired_from_its_records_and_co
 
 
 def test_short_extends_the_pool_cannot_hold_attend_as_prefills():
-    eng = Engine(WindowConfig(4, 24), max_reqs=2, num_blocks=64)
+    eng = Engine(WindowPolicy(4, 24), max_reqs=2, num_blocks=64)
     eng.step({0: 80, 1: 80})  # two requests: every shadow the pool has is theirs
     granted = eng.step({0: 9, 1: 1}, short=True)
     assert granted.tolist() == [False, True]  # no shadow to spare for request 0's earlier windows
@@ -234,7 +212,7 @@ def test_planning_on_cuda_never_waits_for_the_stream():
     updates and repairs must not synchronise the stream. PyTorch's sync debug mode raises on any
     synchronising call (a blocking copy from pageable memory among them); the map ends as a CPU pool's fed
     the same steps."""
-    cfg = WindowConfig(0, SUB)
+    cfg = WindowPolicy(0, SUB)
     pools = [WindowPool(cfg, 32 * 16, 1, dev) for dev in ("cpu", "cuda")]
     repaired = []
     pools[1].register(0, lambda rows, slots: repaired.append(rows.numel()))

@@ -23,36 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.analysis.capture import AttentionCall
-from quantmla.models.compat import CACHE_KWARG
-from quantmla.quant.scheme import PathFormat
+from quantmla.formats.scheme import PathFormat
+from quantmla.measure.attention import run_attention
+from quantmla.measure.capture import AttentionCall
 
 PATHS = ("content", "rope")
 SHAPES = ("gaussian", "quant")
-
-
-class _PerturbingCache:
-    """Stands in for the cache during one attention call: records the clean latent and RoPE key
-    the module computed and hands them back with the given perturbations added."""
-
-    def __init__(self, delta_c: torch.Tensor | None, delta_r: torch.Tensor | None) -> None:
-        self.delta_c, self.delta_r = delta_c, delta_r
-        self.c = self.r = None
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.c, self.r = key_states, value_states
-        c = key_states if self.delta_c is None else key_states + self.delta_c
-        r = value_states if self.delta_r is None else value_states + self.delta_r
-        return c, r
-
-
-def run_attention(call: AttentionCall, delta_c=None, delta_r=None):
-    """``(output, clean latent, clean RoPE key)`` of the captured call with perturbed cache paths."""
-    cache = _PerturbingCache(delta_c, delta_r)
-    kwargs = {k: v for k, v in call.kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
-    kwargs[CACHE_KWARG] = cache
-    out = call.module(*call.args, **kwargs)[0]
-    return out, cache.c, cache.r
 
 
 def path_function(call: AttentionCall, path: str):

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quantmla.analysis.capture import capture_attention_call
 from quantmla.analysis.response import (
     PATHS,
     SHAPES,
@@ -19,11 +18,12 @@ from quantmla.analysis.response import (
     path_function,
     probe_sums,
     raw_perturbation,
-    run_attention,
 )
+from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.attention import run_attention
+from quantmla.measure.capture import capture_attention_call
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
-from quantmla.quant.scheme import parse_scheme
 
 
 @dataclass(frozen=True)

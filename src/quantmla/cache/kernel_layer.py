@@ -48,10 +48,10 @@ class KernelLatentLayer(QuantizedLatentLayer):
         self.kernel_step = False
         super().lazy_initialization(key_states, value_states)
 
-    def _windows(self) -> tuple[int, int | None]:
+    def _split(self, total: int) -> tuple[int, int]:
         if not self.cfg.scheme.quantized:  # bf16: every token in BF16 pages (FlashMLA's dense layout)
             return 0, 0
-        return self.cfg.sink, self.cfg.recent
+        return super()._split(total)
 
     def _init_mid(self, batch: int) -> None:
         self.store = PagedLatentStore(self.layout, num_pages=4 * batch, device=self.device)

@@ -1,6 +1,7 @@
 """``QuantizedLatentCache``: a transformers ``Cache`` holding the MLA latent in packed low-bit form.
 
-Per cache layer and sequence the tokens live in three stores, in position order:
+Per cache layer and sequence the tokens live in three stores, in position order, sized by the window
+policy (:class:`~quantmla.formats.windows.WindowPolicy`):
 
 * the first ``sink`` tokens, unquantised;
 * the middle, quantised once when a token leaves the recent window (:class:`PathStore`);
@@ -33,12 +34,13 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from quantmla.cache.paged_store import PagedPathStore
 from quantmla.cache.store import PathStore, TransformedStore
+from quantmla.formats.codec import LayerCodec, PathCodec, model_codec
+from quantmla.formats.scheme import CacheScheme, PathFormat
+from quantmla.formats.windows import WindowPolicy
 from quantmla.models import families  # noqa: F401  (registers the adapters)
 from quantmla.models.adapter import MLADims, get_adapter
 from quantmla.quant.affine import check_finite, check_group, check_quantizable
-from quantmla.quant.codec import LayerCodec, PathCodec, model_codec
 from quantmla.quant.fp8 import FP8_TILE
-from quantmla.quant.scheme import CacheScheme, PathFormat
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,7 @@ class LatentCacheConfig:
             self.codec.rope.check(self.rope_dim, self.group_size)
         if not isinstance(self.validate, bool):
             raise ValueError(f"validate={self.validate!r} must be True or False")
-        for name in ("sink", "recent"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        WindowPolicy(self.sink, self.recent)  # validates
         if self.page_size <= 0:
             raise ValueError(f"page_size={self.page_size} must be positive")
         for fmt, dim, what in (
@@ -86,6 +86,11 @@ class LatentCacheConfig:
                     raise ValueError(f"{what}: {e}") from None
             if fmt.kind == "fp8" and dim % FP8_TILE:
                 raise ValueError(f"{what} dim {dim} is not a multiple of the FP8 tile {FP8_TILE}")
+
+    @property
+    def windows(self) -> WindowPolicy:
+        """Which positions decode reads unquantised (``sink`` first, ``recent`` last)."""
+        return WindowPolicy(self.sink, self.recent)
 
     def persistent_bytes_per_token(self) -> int:
         """Formula bytes of one quantised token (both paths), for comparison with the measured bytes."""
@@ -144,38 +149,42 @@ class QuantizedLatentLayer(DynamicLayer):
         b = key_states.shape[0]
         hp = PathFormat("bf16")
 
-        def store(fmt: PathFormat, dim: int, page: int) -> PathStore:
-            return PathStore(fmt, dim, cfg.group_size, b, self.hp_dtype, self.device, page)
+        def store(fmt: PathFormat, dim: int, page: int, path: str) -> PathStore:
+            return PathStore(fmt, dim, cfg.group_size, b, self.hp_dtype, self.device, page, path=path)
 
         sink_page = max(cfg.sink, 1)  # the sink store never grows past `sink` tokens: allocate exactly
-        self.sink_c, self.sink_r = store(hp, cfg.kv_lora_rank, sink_page), store(hp, cfg.rope_dim, sink_page)
+        self.sink_c = store(hp, cfg.kv_lora_rank, sink_page, "c")
+        self.sink_r = store(hp, cfg.rope_dim, sink_page, "r")
         self._init_mid(b)
         self.batch = b
         self.rec_c = torch.empty(b, 0, cfg.kv_lora_rank, dtype=self.hp_dtype, device=self.device)
         self.rec_r = torch.empty(b, 0, cfg.rope_dim, dtype=self.hp_dtype, device=self.device)
         self.is_initialized = True
 
-    def _windows(self) -> tuple[int, int | None]:
-        """(sink, recent) capacities; ``None``: unbounded (a bf16 scheme keeps every token as computed)."""
+    def _split(self, total: int) -> tuple[int, int]:
+        """``(sinks, recent)``: tokens the unquantised stores hold once the layer has ``total`` (the policy's
+        split; the rest are the middle). A bf16 scheme keeps every token as computed, in the recent store."""
         if not self.cfg.scheme.quantized:
-            return 0, None
-        return self.cfg.sink, self.cfg.recent
+            return 0, total
+        n_sink, _, n_recent = self.cfg.windows.split(total)
+        return n_sink, n_recent
 
     # -- the middle (quantised) store: overridden by the kernel-backed layer ------------------
     def _init_mid(self, batch: int) -> None:
         cfg = self.cfg
 
-        def store(fmt: PathFormat, dim: int, path: PathCodec | None):
+        def store(fmt: PathFormat, dim: int, path: PathCodec | None, role: str):
             if fmt.page is not None:  # per channel within pages of fmt.page tokens
                 inner = PagedPathStore(fmt, dim, batch, self.hp_dtype, self.device, cfg.page_size)
             else:
                 ranges = None if path is None or path.clip_ratio is None else (path.clip_ratio, path.gain)
-                inner = PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size, ranges)
+                inner = PathStore(fmt, dim, cfg.group_size, batch, self.hp_dtype, self.device, cfg.page_size, ranges,
+                                  path=role)  # fmt: skip
             return inner if path is None or path.transform is None else TransformedStore(inner, path)
 
         codec = cfg.codec
-        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank, None if codec is None else codec.content)
-        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim, None if codec is None else codec.rope)
+        self.mid_c = store(cfg.scheme.content, cfg.kv_lora_rank, None if codec is None else codec.content, "c")
+        self.mid_r = store(cfg.scheme.rope, cfg.rope_dim, None if codec is None else codec.rope, "r")
 
     def _append_mid(self, c: torch.Tensor, r: torch.Tensor) -> None:
         """Quantise and store tokens leaving the recent window (checked in ``update`` already)."""
@@ -224,13 +233,13 @@ class QuantizedLatentLayer(DynamicLayer):
         s = c.shape[1]
         if s > 1 or self.cfg.validate:  # once at prefill; per token only in the debug mode (GPU syncs)
             check_tokens(self.cfg, c, r)
-        sink_cap, recent_cap = self._windows()
-        n_sink = min(max(sink_cap - self.sink_c.length, 0), s)
+        sinks, recent = self._split(self.seen + s)
+        n_sink = sinks - self.sink_c.length  # new tokens that are sinks (they come first)
         self.sink_c.append(c[:, :n_sink], check=False)
         self.sink_r.append(r[:, :n_sink], check=False)
         self.rec_c = torch.cat([self.rec_c, c[:, n_sink:].to(self.hp_dtype)], dim=1)
         self.rec_r = torch.cat([self.rec_r, r[:, n_sink:].to(self.hp_dtype)], dim=1)
-        overflow = self.rec_c.shape[1] - recent_cap if recent_cap is not None else 0
+        overflow = self.rec_c.shape[1] - recent  # the oldest recent tokens leave the window: quantised once
         if overflow > 0:
             self._append_mid(self.rec_c[:, :overflow], self.rec_r[:, :overflow])
             self.rec_c, self.rec_r = self.rec_c[:, overflow:].clone(), self.rec_r[:, overflow:].clone()

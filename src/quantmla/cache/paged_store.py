@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from quantmla.formats.packing import pack_codes, pack_mixed, packed_bytes, unpack_codes, unpack_mixed
+from quantmla.formats.scheme import PathFormat
 from quantmla.quant.affine import GroupQuantized, check_quantizable
 from quantmla.quant.channel import dequantize_per_channel, quantize_per_channel
-from quantmla.quant.mixed import (
-    dequantize_channels_mixed,
-    pack_mixed,
-    packed_bytes,
-    quantize_channels_mixed,
-    unpack_mixed,
-)
-from quantmla.quant.packing import pack_codes, unpack_codes
-from quantmla.quant.scheme import PathFormat
+from quantmla.quant.mixed import dequantize_channels_mixed, quantize_channels_mixed
 
 
 class PagedPathStore:

@@ -1,4 +1,4 @@
-"""Calibrate, fuse and export: :func:`calibrate_model`, :func:`export` (format: :mod:`quantmla.export_format`)."""
+"""Calibrate, fuse and export: :func:`calibrate_model`, :func:`export` (format: :mod:`quantmla.formats.export`)."""
 
 from quantmla.calibrate.api import (
     QUANTMLA_METHODS,
@@ -10,7 +10,7 @@ from quantmla.calibrate.api import (
     layer_stage,
     merge_layer_stages,
 )
-from quantmla.export_format import METHODS, read_meta
+from quantmla.formats.export import METHODS, read_meta
 
 __all__ = [
     "METHODS",

@@ -22,11 +22,11 @@ from quantmla.calibrate.methods import (
 from quantmla.calibrate.model_level import ModelLevelConfig, refine
 from quantmla.calibrate.objectives import collect, content_loss, latent_gain, rope_loss
 from quantmla.calibrate.related import CODEC_METHODS, check_codec_scheme, fit_codec
-from quantmla.export_format import META_FORMAT, METHODS, write_codec, write_meta
+from quantmla.formats.codec import ModelCodec
+from quantmla.formats.export import META_FORMAT, METHODS, write_codec, write_meta
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import disable_latent_attention, enable_latent_attention, is_latent_attention_enabled
-from quantmla.quant.codec import ModelCodec
-from quantmla.quant.scheme import parse_scheme
 from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope, original_basis
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def layer_stage(model: nn.Module, tokenizer, texts, layers=None, progress: bool 
 
 def calibration_windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch.Tensor, torch.Tensor, str]:
     """Training and held-out token windows, and the sha256 of both."""
-    from quantmla.eval.ppl import token_windows
+    from quantmla.measure.tokens import token_windows
 
     need = cfg.num_seqs + cfg.val_seqs
     if isinstance(texts, torch.Tensor):  # token windows [N, T] given directly
@@ -375,7 +375,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
     """Write a transformers directory (fused weights, config, tokenizer) and ``quantmla.json``."""
     import transformers
 
-    import quantmla
+    from quantmla import __version__
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -408,7 +408,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
             "seed": cfg.seed,
         },
         "versions": {
-            "quantmla": quantmla.__version__,
+            "quantmla": __version__,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         },

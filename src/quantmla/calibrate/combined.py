@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from quantmla.calibrate.objectives import latent_gain
-from quantmla.quant.codec import MAX_CONDITION, LayerCodec, ModelCodec, PathCodec
+from quantmla.formats.codec import MAX_CONDITION, LayerCodec, ModelCodec, PathCodec
 from quantmla.transforms.fuse import ContentTransform, RopeTransform
 
 #: the two bases RAQ-MLA's fits start from

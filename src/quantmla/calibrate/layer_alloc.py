@@ -26,9 +26,9 @@ from dataclasses import replace
 import torch
 from tqdm.auto import tqdm
 
-from quantmla.eval.simulate import simulated_decode
-from quantmla.quant.codec import LayerCodec, ModelCodec
-from quantmla.quant.scheme import QUANT_BITS, CacheScheme, PathFormat, parse_scheme
+from quantmla.formats.codec import LayerCodec, ModelCodec
+from quantmla.formats.scheme import QUANT_BITS, CacheScheme, PathFormat, parse_scheme
+from quantmla.measure.simulate import simulated_decode
 
 #: the menu's group for the latent's cheaper and wider options
 MENU_GROUP = 128

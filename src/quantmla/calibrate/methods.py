@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from quantmla.calibrate.objectives import LayerBatch, content_loss, rope_loss
-from quantmla.export_format import METHODS
-from quantmla.quant.scheme import PathFormat
+from quantmla.formats.export import METHODS
+from quantmla.formats.scheme import PathFormat
 from quantmla.transforms.fuse import ContentTransform, RopeTransform, original_basis
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The layer objectives (:mod:`quantmla.calibrate.objectives`) see one layer with c
 perplexity of the quantised model depends on how the errors of all layers compound. This stage
 holds every layer's transform as parameters, applies them in the original basis with the quantiser
 in the loop (straight-through estimator) and the cache exactly as decode sees it (the calibration's
-sink and recent windows, :class:`~quantmla.eval.simulate.SimulatedDecodeCache`), and minimises the
+sink and recent windows, :class:`~quantmla.measure.simulate.SimulatedDecodeCache`), and minimises the
 KL divergence of the next-token distributions from the full-precision model's:
 
 * the start is the candidate set with the lowest held-out KL: the layer-local QuantMLA transforms,
@@ -28,9 +28,9 @@ from tqdm.auto import tqdm
 
 from quantmla.calibrate.methods import ContentParam, RopeParam
 from quantmla.calibrate.objectives import quantize_content, quantize_rope
-from quantmla.eval.simulate import SimulatedDecodeCache, installed
+from quantmla.formats.scheme import CacheScheme
+from quantmla.measure.simulate import SimulatedDecodeCache, installed
 from quantmla.models.latent import module_state
-from quantmla.quant.scheme import CacheScheme
 from quantmla.transforms.fuse import ContentTransform, RopeTransform
 
 OBJECTIVES = ("kl", "ce")

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantmla.analysis.capture import AttentionCall, capture_attention_call
-from quantmla.analysis.response import run_attention
+from quantmla.formats.scheme import PathFormat
+from quantmla.measure.attention import run_attention
+from quantmla.measure.capture import AttentionCall, capture_attention_call
 from quantmla.models.adapter import MLAAdapter
 from quantmla.models.latent import absorbed_attention, module_state
-from quantmla.quant.scheme import PathFormat
 
 
 def ste_quantize(x: torch.Tensor, fmt: PathFormat, group_size: int) -> torch.Tensor:

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.analysis.response import run_attention
 from quantmla.calibrate.methods import ORIGINAL, hadamard
 from quantmla.calibrate.objectives import LayerBatch, attention_probs
-from quantmla.quant.codec import MAX_CONDITION, PathCodec
-from quantmla.quant.scheme import PathFormat
+from quantmla.formats.codec import MAX_CONDITION, PathCodec
+from quantmla.formats.scheme import PathFormat
+from quantmla.measure.attention import run_attention
 
 
 @dataclass(frozen=True)

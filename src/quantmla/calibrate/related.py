@@ -3,7 +3,7 @@
 
 Their parameters cannot all be fused into the weights (RAQ-MLA's general ``A_c`` after the norm and ``A_R``
 after RoPE, RoLaQ's learned ranges) or are formats that differ by layer (Block-GTQ's widths per RoPE pair), so
-the result is a :class:`~quantmla.quant.codec.ModelCodec` that the cache, the decode-cache simulation and the
+the result is a :class:`~quantmla.formats.codec.ModelCodec` that the cache, the decode-cache simulation and the
 export carry; RAQ-MLA and Block-GTQ leave the weights as they are, RoLaQ's rotation is fused into them.
 Each layer's report row holds the held-out values the choice was made on.
 """
@@ -21,8 +21,8 @@ from quantmla.calibrate.methods import LearnConfig
 from quantmla.calibrate.objectives import collect, latent_gain
 from quantmla.calibrate.raq import RaqConfig, fit_path
 from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
-from quantmla.quant.codec import LayerCodec, ModelCodec, PathCodec
-from quantmla.quant.scheme import PathFormat, parse_scheme
+from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
+from quantmla.formats.scheme import PathFormat, parse_scheme
 
 logger = logging.getLogger(__name__)
 CODEC_METHODS = ("raq", "blockgtq", "rolaq", "raq-alloc")

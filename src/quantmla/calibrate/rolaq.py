@@ -22,9 +22,9 @@ from torch import nn
 
 from quantmla.calibrate.methods import ORIGINAL, LearnConfig, hadamard, learn, mean_layer_loss
 from quantmla.calibrate.objectives import LayerBatch, attention_probs
+from quantmla.formats.scheme import PathFormat
 from quantmla.models.adapter import MLAAdapter
 from quantmla.quant.ranged import ste_ranged
-from quantmla.quant.scheme import PathFormat
 from quantmla.transforms.fuse import ContentTransform
 
 BLOCK = 64  # eigen-directions per refined block

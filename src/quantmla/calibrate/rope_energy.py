@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantmla.eval.simulate import installed
+from quantmla.formats.scheme import PathFormat
+from quantmla.measure.simulate import installed
 from quantmla.models.adapter import get_adapter
 from quantmla.models.expanded import expanded_latent_attention
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled, module_states
 from quantmla.quant.allocate import greedy_allocation
 from quantmla.quant.mixed import pair_channel_bits
-from quantmla.quant.scheme import PathFormat
 
 
 @dataclass(eq=False)

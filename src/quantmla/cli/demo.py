@@ -12,8 +12,10 @@ from rich.table import Table
 
 from quantmla.cache import QuantizedLatentCache
 from quantmla.cli.errors import check_cache
-from quantmla.cli.eval_cmd import results_table
-from quantmla.eval.ppl import PerplexityConfig, perplexity, scheme_label, token_windows
+from quantmla.cli.eval_cmd import results_tables
+from quantmla.eval.ppl import PerplexityConfig, perplexity, scheme_label
+from quantmla.formats import parse_scheme
+from quantmla.measure.tokens import token_windows
 from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention
 from quantmla.models.loading import (
@@ -25,7 +27,6 @@ from quantmla.models.loading import (
     load,
     resolve_dtype,
 )
-from quantmla.quant import parse_scheme
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,54 @@ def production_bytes(schemes, contexts=(4096, 131072), sink: int = 4, recent: in
     return out
 
 
+def generation_table(rows: list[GenerationRow], cfg: DemoConfig) -> Table:
+    t = Table(title=f"Greedy generation, {cfg.prompt_len}-token prompt + {cfg.new_tokens} tokens, through "
+              "QuantizedLatentCache; same: tokens equal to the first scheme's")  # fmt: skip
+    t.add_column("scheme", justify="right", no_wrap=True)
+    t.add_column("same", justify="right", no_wrap=True)
+    t.add_column("diverges at", justify="right", no_wrap=True)
+    t.add_column("continuation", overflow="fold")
+    for r in rows:
+        first = "-" if r.first_divergence is None else str(r.first_divergence)
+        t.add_row(r.scheme, f"{100 * r.agreement:.0f}%", first, r.text.replace("\n", "⏎")[:70])
+    return t
+
+
+def needle_table(rows: list, cfg: DemoConfig) -> Table:
+    values = sorted({r.value for r in rows})
+    t = Table(
+        title=f"One needle per scheme: niah-3 (the UUID-like value {', '.join(values)} in {cfg.needle_len} tokens "
+        "of test text, 50% depth), the answer decoded greedily through the cache (`quantmla eval niah` for the "
+        "full grid)"
+    )
+    t.add_column("scheme", justify="right", no_wrap=True)
+    t.add_column("retrieved", no_wrap=True)
+    t.add_column("answer", overflow="fold")
+    for r in rows:
+        t.add_row(r.scheme, "yes" if r.correct else "no", r.output.strip().replace("\n", "⏎")[:40])
+    return t
+
+
+def production_table(measured: dict[str, tuple], schemes, cfg: DemoConfig, contexts=(4096, 131072)) -> Table:
+    """``measured[scheme]``: bytes/token at each of ``contexts`` (``bf16`` among them, the reference)."""
+    t = Table(
+        title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64, BF16 windows, sink "
+        f"{cfg.sink} + recent {cfg.recent}): allocated storage of a real cache, random values",
+        caption="no DeepSeek model runs here: the cache is filled with random tensors (storage size does not "
+        "depend on the values); vs bf16: the same cache, scheme bf16",
+    )
+    t.add_column("scheme", no_wrap=True)
+    for ctx in contexts:
+        t.add_column(f"{ctx // 1024}K B/token", justify="right", no_wrap=True)
+        t.add_column(f"{ctx // 1024}K vs bf16", justify="right", no_wrap=True)
+    for name in schemes:
+        cells = []
+        for i in range(len(contexts)):
+            cells += [f"{measured[name][i]:.1f}", f"{measured['bf16'][i] / measured[name][i]:.2f}x"]
+        t.add_row(name, *cells)
+    return t
+
+
 def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
     torch.manual_seed(cfg.seed)
     model, tok = load(check(cfg), dtype=cfg.dtype, device="cpu")
@@ -148,7 +197,7 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
 
     def ppl(m, scheme):
         pc = PerplexityConfig(scheme=scheme, seq_len=cfg.seq_len, num_seqs=cfg.num_seqs, sink=cfg.sink,
-                              recent=cfg.recent, group_size=cfg.group_size)  # fmt: skip
+                              recent=cfg.recent, group_size=cfg.group_size, per_window=True)  # fmt: skip
         return perplexity(m, tok, builtin_text("test"), pc, progress=True)
 
     results = [ppl(model, s) for s in cfg.schemes]
@@ -168,56 +217,13 @@ def render(cfg: DemoConfig, console: Console, contexts=(4096, 131072)) -> None:
             model_steps=cfg.calibrate_model_steps, sink=cfg.sink, recent=cfg.recent, group_size=cfg.group_size,
         )  # fmt: skip
         results.append(dataclasses.replace(ppl(calibrated, target), scheme=f"{target}+quantmla"))
-    console.print(
-        results_table(
-            f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens), "
-            f"{dtype_name(param.dtype)} on {param.device}; bytes/token of this model's cache",
-            results,
-        )
-    )
-
-    rows = generate_side_by_side(model, tok, cfg)
-    t = Table(
-        title=f"Greedy generation, {cfg.prompt_len}-token prompt + {cfg.new_tokens} tokens, "
-        f"through QuantizedLatentCache"
-    )
-    for col in ("scheme", "tokens = first", "first divergence", "continuation"):
-        t.add_column(col, justify="right" if col != "continuation" else "left")
-    for r in rows:
-        t.add_row(
-            r.scheme,
-            f"{100 * r.agreement:.0f}%",
-            "-" if r.first_divergence is None else str(r.first_divergence),
-            r.text.replace("\n", "⏎")[:70],
-        )
-    console.print(t)
-
+    title = (f"Perplexity on the bundled test split ({cfg.num_seqs} x {cfg.seq_len} tokens), "
+             f"{dtype_name(param.dtype)} on {param.device}")  # fmt: skip
+    for t in results_tables(title, results):
+        console.print(t)
+    console.print(generation_table(generate_side_by_side(model, tok, cfg), cfg))
     if cfg.needle_len:
-        t3 = Table(
-            title=f"One needle per scheme: niah-3 (UUID-like value in {cfg.needle_len} tokens of test text, 50% "
-            "depth), the answer decoded greedily through the cache (`quantmla eval niah` for the full grid)"
-        )
-        for col in ("scheme", "needle value", "answer", "retrieved"):
-            t3.add_column(col)
-        for r in needle_per_scheme(model, tok, cfg):
-            t3.add_row(r.scheme, r.value, r.output.strip().replace("\n", "⏎")[:40], "yes" if r.correct else "no")
-        console.print(t3)
-
-    t2 = Table(
-        title="Bytes/token at DeepSeek geometry (latent 512 + RoPE 64, BF16 windows, sink "
-        f"{cfg.sink} + recent {cfg.recent}): allocated storage of a real cache, random values",
-        caption="no DeepSeek model runs here: the cache is filled with random tensors (storage size does not "
-        "depend on the values); vs bf16: the same cache, scheme bf16",
-    )
-    t2.add_column("scheme")
-    for ctx in contexts:
-        t2.add_column(f"{ctx // 1024}K B/token", justify="right")
-        t2.add_column(f"{ctx // 1024}K vs bf16", justify="right")
+        console.print(needle_table(needle_per_scheme(model, tok, cfg), cfg))
     names = list(cfg.schemes) if "bf16" in cfg.schemes else [*cfg.schemes, "bf16"]
     measured = {row[0]: row[1:] for row in production_bytes(names, contexts, cfg.sink, cfg.recent)}
-    for name in cfg.schemes:
-        cells = []
-        for i in range(len(contexts)):
-            cells += [f"{measured[name][i]:.1f}", f"{measured['bf16'][i] / measured[name][i]:.2f}x"]
-        t2.add_row(name, *cells)
-    console.print(t2)
+    console.print(production_table(measured, cfg.schemes, cfg, contexts))

@@ -59,7 +59,7 @@ def check_cache(source, scheme: str, group_size: int) -> None:
     """That a cache of ``scheme`` with ``group_size`` fits the model of ``source`` (a ``ModelSource``):
     its group size divides the latent and RoPE key it quantises. Needs the config only."""
     from quantmla.cache import LatentCacheConfig
-    from quantmla.quant.scheme import parse_scheme
+    from quantmla.formats.scheme import parse_scheme
 
     dims = source.dims
     LatentCacheConfig(parse_scheme(scheme), dims.kv_lora_rank, dims.rope_dim, group_size)

@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from quantmla.cli.errors import user_errors
+from quantmla.formats.codec import scheme_name
 from quantmla.models.loading import DEFAULT_MODEL
-from quantmla.quant.codec import scheme_name
 
 logger = logging.getLogger(__name__)
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
@@ -33,7 +33,7 @@ class CacheSettings:
     """The cache an eval command runs: its options where given, else the model's ``quantmla.json`` (an
     export's), else quantmla's defaults (bf16, sink 4, recent 128, groups of 64)."""
 
-    schemes: tuple  # scheme names, or an export's per-layer codec (quantmla.quant.codec.ModelCodec)
+    schemes: tuple  # scheme names, or an export's per-layer codec (quantmla.formats.codec.ModelCodec)
     sink: int
     recent: int
     group_size: int
@@ -43,9 +43,9 @@ def cache_settings(meta: dict | None, scheme: str | None, sink: int | None, rece
                    group_size: int | None, no_sink_recent: bool = False, codec=None) -> CacheSettings:  # fmt: skip
     """:class:`CacheSettings` from the command's options and the model's metadata; a ``ValueError`` naming the
     bad value for a scheme list that names no scheme or an unknown scheme. ``codec``: the export's per-layer
-    codec (:func:`quantmla.export_format.read_codec`), run wherever the export's scheme is (by default, or named
+    codec (:func:`quantmla.formats.export.read_codec`), run wherever the export's scheme is (by default, or named
     in ``scheme``); another scheme runs plain, without the fitted parameters (logged)."""
-    from quantmla.quant.scheme import parse_scheme
+    from quantmla.formats.scheme import parse_scheme
 
     meta = meta or {}
     text = scheme or meta.get("scheme", "bf16")
@@ -65,40 +65,47 @@ def cache_settings(meta: dict | None, scheme: str | None, sink: int | None, rece
     return CacheSettings(names, sink, recent, meta.get("group_size", 64) if group_size is None else group_size)
 
 
-def results_table(title: str, results) -> Table:
-    """Perplexity rows labelled by what ran (:attr:`PerplexityResult.label`); bytes from real cache storage."""
+def _pct(x: float) -> str:
+    """``x`` in percent, signed: two decimals below 10%, one above (short enough for 80 columns)."""
+    return f"{100 * x:+.2f}" if abs(x) < 0.1 else f"{100 * x:+.1f}"
+
+
+def results_tables(title: str, results) -> list[Table]:
+    """Two tables of perplexity rows, each whole at 80 columns (a terminal or a log): perplexity against the
+    first row, and the cache's storage. Rows labelled by what ran (:attr:`PerplexityResult.label`)."""
     from quantmla.eval.ppl import paired_bootstrap
 
-    t = Table(
-        title=title,
-        caption="bytes/token: allocated storage of a QuantizedLatentCache after the model's prefill of the first "
-        "window (per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype; BPE: bits "
-        "per cached element of the stored format, metadata included (formula; the windows not counted)",
+    r0 = results[0]
+    windows = sorted({f"{r.sink}+{r.recent}" for r in results})
+    ppl = Table(
+        title=f"{title}; sink+recent {', '.join(windows)}",
+        caption=f"ppl: perplexity; vs first: against {r0.label}; paired: the same windows resampled together (a "
+        "real difference excludes 0)",
     )
-    t.add_column("scheme", justify="right", min_width=max(len(r.label) for r in results), no_wrap=True)
-    cols = ("sink+recent", "perplexity", "95% CI", "vs first", "vs first 95% CI (paired)", "bytes/token",
-            "vs unquantised", "BPE", "tokens")  # fmt: skip
-    for col in cols:
-        t.add_column(col, justify="right")
-    base = results[0].ppl
+    ppl.add_column("scheme", justify="right", no_wrap=True)
+    for col in ("ppl", "95% CI", "vs first", "paired 95% CI"):
+        ppl.add_column(col, justify="right", no_wrap=True)
     for r in results:
         paired = "-"
-        if r is not results[0] and r.window_nll and results[0].window_nll:
-            lo, hi = paired_bootstrap(results[0].window_nll, r.window_nll, r.seq_len - 1)
-            paired = f"{100 * lo:+.2f}% .. {100 * hi:+.2f}%"
-        t.add_row(
-            r.label,
-            f"{r.sink}+{r.recent}",
-            f"{r.ppl:.3f}",
-            f"{r.ppl_ci[0]:.2f}-{r.ppl_ci[1]:.2f}" if r.ppl_ci else "-",
-            f"{100 * (r.ppl / base - 1):+.2f}%",
-            paired,
-            f"{r.bytes_per_token:.1f}",
-            f"{r.unquantised_bytes_per_token / r.bytes_per_token:.2f}x",
-            "-" if r.bits_per_element is None else f"{r.bits_per_element:.2f}",
-            str(r.tokens),
-        )
-    return t
+        if r is not r0 and r.window_nll and r0.window_nll:
+            lo, hi = paired_bootstrap(r0.window_nll, r.window_nll, r.seq_len - 1)
+            paired = f"{_pct(lo)}..{_pct(hi)}%"
+        ci = f"{r.ppl_ci[0]:.2f}-{r.ppl_ci[1]:.2f}" if r.ppl_ci else "-"
+        ppl.add_row(r.label, f"{r.ppl:.3f}", ci, f"{_pct(r.ppl / r0.ppl - 1)}%", paired)
+    store = Table(
+        title="Storage of each cache",
+        caption="B/token: allocated storage of a QuantizedLatentCache after the model's prefill of the first window "
+        "(per token and layer); vs unquantised: the same cache, scheme bf16, in the model's dtype; BPE: bits per "
+        "cached element of the stored format, metadata included (formula; the windows not counted)",
+    )
+    store.add_column("scheme", justify="right", no_wrap=True)
+    for col in ("B/token", "vs unquantised", "BPE", "tokens"):
+        store.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        bpe = "-" if r.bits_per_element is None else f"{r.bits_per_element:.2f}"
+        ratio = f"{r.unquantised_bytes_per_token / r.bytes_per_token:.2f}x"
+        store.add_row(r.label, f"{r.bytes_per_token:.1f}", ratio, bpe, str(r.tokens))
+    return [ppl, store]
 
 
 @app.command()
@@ -176,7 +183,9 @@ def ppl(
         f"{model} in {dtype_name(torch_dtype)} on {dev}: perplexity on {src_text}, {r0.sequences} x {seq_len}"
         f" tokens ({which} its {r0.total_windows} windows{'; --all for every window' if subset else ''})"
     )
-    Console().print(results_table(title, results))
+    console = Console()
+    for t in results_tables(title, results):
+        console.print(t)
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:

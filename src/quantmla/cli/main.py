@@ -97,7 +97,7 @@ def analyze(
     from quantmla.analysis import AnalysisConfig
     from quantmla.analysis import analyze as run_analysis
     from quantmla.analysis.report import table, write
-    from quantmla.eval.ppl import token_windows
+    from quantmla.measure.tokens import token_windows
     from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
 
     shapes = {"both": ("gaussian", "quant"), "gaussian": ("gaussian",), "quant": ("quant",)}

@@ -3,7 +3,7 @@
 Both kinds of lm-eval request see the cache as decode does:
 
 * log-likelihoods (multiple choice, perplexity tasks) are one forward per batch; it runs under the
-  decode-cache simulation (:func:`quantmla.eval.simulate.simulated_decode`), so every query attends the
+  decode-cache simulation (:func:`quantmla.measure.simulate.simulated_decode`), so every query attends the
   quantised latent but the ``sink`` first and ``recent`` last tokens before it, exactly as ``quantmla eval
   ppl`` scores text;
 * generations (``generate_until``) run through a fresh :class:`~quantmla.cache.QuantizedLatentCache` per
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from quantmla.quant.codec import ModelCodec, scheme_name
+from quantmla.formats.codec import ModelCodec, scheme_name
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def lm_eval_model(model, tokenizer, cache: LmEvalCache, batch_size: int = 1, max
         raise ValueError(f"quantmla eval lm-eval needs lm-eval: pip install 'quantmla[eval]' ({e})") from None
 
     from quantmla.cache import QuantizedLatentCache
-    from quantmla.eval.simulate import simulated_decode
+    from quantmla.measure.simulate import simulated_decode
     from quantmla.models.compat import cache_kwargs
     from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from quantmla.quant.codec import ModelCodec, scheme_name
+from quantmla.formats.codec import ModelCodec, scheme_name
 
 TASKS = ("niah-1", "niah-2", "niah-3", "niah-mk")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

@@ -10,13 +10,14 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.cache import LatentCacheConfig, QuantizedLatentCache
-from quantmla.eval.simulate import simulated_decode
+from quantmla.formats.codec import ModelCodec, is_quantized, model_codec, scheme_name
+from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.simulate import simulated_decode
+from quantmla.measure.tokens import all_windows, select_windows
 from quantmla.models.adapter import get_adapter
 from quantmla.models.compat import cache_kwargs
 from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled
 from quantmla.models.loading import dtype_name
-from quantmla.quant.codec import ModelCodec, is_quantized, model_codec, scheme_name
-from quantmla.quant.scheme import parse_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -90,31 +91,6 @@ def scheme_label(scheme: str, dtype: str) -> str:
     if parse_scheme(scheme.split()[-1].split("+")[0]).quantized or dtype == "bfloat16":
         return scheme
     return f"unquantised ({dtype})"
-
-
-def token_windows(tokenizer, text: str, seq_len: int, num_seqs: int | None, spread: bool = False) -> torch.Tensor:
-    """Windows ``[n, seq_len]`` of the text's tokens: all full windows, the first ``num_seqs``, or with
-    ``spread`` ``num_seqs`` of them evenly spaced over the text (at most all of them)."""
-    return _select(_all_windows(tokenizer, text, seq_len), num_seqs, spread)
-
-
-def _all_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    n = len(ids) // seq_len
-    if n == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}")
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-
-
-def _select(all_windows: torch.Tensor, num_seqs: int | None, spread: bool) -> torch.Tensor:
-    n, seq_len = all_windows.shape
-    if num_seqs is None:
-        return all_windows
-    if spread:
-        return all_windows[torch.linspace(0, n - 1, min(num_seqs, n)).round().long()]
-    if num_seqs > n:
-        raise ValueError(f"num_seqs={num_seqs} but the text holds only {n} windows of {seq_len} tokens")
-    return all_windows[:num_seqs]
 
 
 def paired_bootstrap(base_nll: list[float], other_nll: list[float], tokens_per_window: int,
@@ -199,13 +175,13 @@ def cache_bytes_per_token(
 def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: bool = True) -> PerplexityResult:
     """Perplexity of ``text`` in windows of ``cfg.seq_len``, each query seeing the cache as decode would.
 
-    The logits come from the one-forward decode-cache simulation (:mod:`quantmla.eval.simulate`); the
+    The logits come from the one-forward decode-cache simulation (:mod:`quantmla.measure.simulate`); the
     bytes per token from a real cache filled by the model's prefill of the first window."""
     cache_config(model.config, cfg)
     if not is_latent_attention_enabled(model):
         enable_latent_attention(model)
-    every = _all_windows(tokenizer, text, cfg.seq_len)
-    windows, total_windows = _select(every, cfg.num_seqs, cfg.spread), len(every)
+    every = all_windows(tokenizer, text, cfg.seq_len)
+    windows, total_windows = select_windows(every, cfg.num_seqs, cfg.spread), len(every)
     param = next(model.parameters())
     device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []

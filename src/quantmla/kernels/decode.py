@@ -30,16 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
+from quantmla.formats.windows import SUB
 from quantmla.kernels.layout import PagedLatentStore
 from quantmla.kernels.splits import (
     MAX_SPLITS,
     PLAN_BLOCK,
-    _pages_per_split,
-    _split_pages,
+    plan_pages_per_split,
     sm_count,
     split_capacity,
+    split_pages,
 )
-from quantmla.serving.windows import SUB
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def _store_partial(OP, LP, b, split, heads, hmask, H, NS, m_i, l_i, a0, a1, a2, 
 
 
 @triton.jit
-def _init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
+def init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
     """Online-softmax state: running max, running sum and the four output-plane accumulators."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -128,7 +128,7 @@ def _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL: tl.constexpr, RP
 
 
 @triton.jit
-def _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
+def shadow_row_pointers(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
                  WR: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):  # fmt: skip
     """Row pointers and mask of window positions ``[t0, t0 + BLOCK_T)`` of sequence ``b`` (``n`` tokens) in
     its shadow rows: window position ``k`` is token ``k`` (a sink, or every token when ``n <= WS + WR``)
@@ -163,12 +163,12 @@ def _paged_kernel(
     hmask = heads < H
     per = 0
     if PLAN:
-        per = _pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
-    n, kstart, p0, p1, used = _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
+        per = plan_pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
+    n, kstart, p0, p1, used = split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
     active = p0 < p1
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, tl.where(active, hmask, False), PL, RPL)
-    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
+    m_i, l_i, a0, a1, a2, a3 = init_state(BLOCK_H, PL)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
@@ -213,7 +213,7 @@ def _window_kernel(
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL, RPL)
-    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PL)
+    m_i, l_i, a0, a1, a2, a3 = init_state(BLOCK_H, PL)
     hl = tl.load(HPLEN + b)
     wskip = tl.load(WSKIP + b)  # window rows before this index are masked (left padding in the sinks)
     for t0 in range(0, hl, BLOCK_T):
@@ -290,7 +290,7 @@ def _combine_kernel(OP, LP, OUT, LSE, NUSED, H, NSP, DC: tl.constexpr, BLOCK_D: 
 #: loop's (the kernel's 255 at 16 heads); ptxas for sm_90 spills 160 bytes at 16, 1356 at 64
 WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs
-COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (BENCHMARKS.md, "Used splits"); a warp per 32
+COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (docs/notebook.md, "used splits"); a warp per 32
 PARTIAL_DTYPES = (torch.float32, torch.float16)  # the split partials' dtypes :func:`mla_decode` takes
 
 
@@ -317,7 +317,7 @@ def default_window_splits(seq_groups: int, rows: int) -> int:
     ``rows`` window positions. With few sequences the one window program is the launch's longest path (132
     rows in 9 tiles, where a page program reads a 64-token page or two); from 8 on, the page programs fill the
     GPU and more window programs only add partials to write and merge. H200, C4R4, 16 heads, 4 + 128 windows,
-    27 layers in a CUDA graph (BENCHMARKS.md, "The window over several programs"): 1 x 4K 22.4 -> 10.8 us
+    27 layers in a CUDA graph (docs/notebook.md, "the window over several programs"): 1 x 4K 22.4 -> 10.8 us
     a layer at one tile a program; 4 x 4K 28.0 -> 17.5 at three programs; 8 and 48 sequences slowest past
     one. Two sequences (not measured) take the four's figure."""
     if seq_groups <= 1:
@@ -468,10 +468,10 @@ def mla_decode(
     qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
     planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
     if lay.quantized:
-        from quantmla.kernels.decode_lowbit import _lowbit_kernel
+        from quantmla.kernels.decode_lowbit import lowbit_kernel
 
         views = store.kernel_views()
-        kernel = _lowbit_kernel[grid](
+        kernel = lowbit_kernel[grid](
             q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,

@@ -1,7 +1,7 @@
 """The fused low-bit MLA decode kernel: INT4/INT2 content and INT4 RoPE key, paged, split-KV.
 
 Program ``(b, split, head_group)`` walks a contiguous range of sequence ``b``'s pages. Each 64-token
-tile is loaded as group-planar code words (:func:`quantmla.kernels.layout.pack_words`) and turned
+tile is loaded as group-planar code words (:func:`quantmla.formats.packing.pack_words`) and turned
 into fp16 planes with :mod:`quantmla.kernels.unpack` (one plane = one run of channels inside one
 quantisation group, so scale and minimum are per token), then both products run on the tensor cores
 in fp16 with fp32 accumulation: ``s = q_lat c^T + q_pe k_R^T`` and ``o += softmax(s) c``, every head
@@ -14,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import _init_state, _shadow_rows
-from quantmla.kernels.splits import _pages_per_split, _split_pages
+from quantmla.kernels.decode import init_state, shadow_row_pointers
+from quantmla.kernels.splits import plan_pages_per_split, split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
 
@@ -101,7 +101,7 @@ def _row_planes(ptr, tmask, DC: tl.constexpr, PW: tl.constexpr, RPW: tl.constexp
 
 
 @triton.jit(do_not_specialize=["NS", "NSP"])
-def _lowbit_kernel(
+def lowbit_kernel(
     Q, QR, SQB, SQH, SRB, SRH, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H,
     MAXP, NS, NSP, scale_log2, ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -122,8 +122,8 @@ def _lowbit_kernel(
     per = 0
     if PLAN:
         nsq = tl.num_programs(0)
-        per = _pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
-    n, kstart, p0, p1, used = _split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
+        per = plan_pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
+    n, kstart, p0, p1, used = split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
     w0 = tl.program_id(1) * WROWS  # a window program's first window position
     active = tl.where(split >= 0, p0 < p1, tl.minimum(tl.load(NPAGED + b), WS + WR) > w0)
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
@@ -151,8 +151,8 @@ def _lowbit_kernel(
     qr2 = tl.load(qrb + 2 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr3 = tl.load(qrb + 3 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
 
-    m_i, l_i, a0, a1, a2, a3 = _init_state(BLOCK_H, PW)
-    _, _, a4, a5, a6, a7 = _init_state(BLOCK_H, PW)  # eight output planes
+    m_i, l_i, a0, a1, a2, a3 = init_state(BLOCK_H, PW)
+    _, _, a4, a5, a6, a7 = init_state(BLOCK_H, PW)  # eight output planes
 
     if split >= 0:
         for p in range(p0, p1):
@@ -197,7 +197,7 @@ def _lowbit_kernel(
     elif WS + WR > 0:
         n = tl.load(NPAGED + b)
         for t0 in range(w0, tl.minimum(tl.minimum(n, WS + WR), w0 + WROWS), WBLOCK_T):
-            ptr, tmask = _shadow_rows(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE, SUB, WS, WR, WBLOCK_T, DC + DR)
+            ptr, tmask = shadow_row_pointers(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE, SUB, WS, WR, WBLOCK_T, DC + DR)
             c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3 = _row_planes(ptr, tmask, DC, PW, RPW, DT)
             m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
                 q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3,

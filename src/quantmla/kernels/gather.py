@@ -1,8 +1,8 @@
 """The fused cache read: records of any slots of field-major pages back to BF16 rows ``[c | k^R]``, one
 program per token (Triton; the CPU interpreter runs it in tests).
 
-It computes exactly :meth:`quantmla.serving.records.RecordLayout.unpack` of
-:meth:`~quantmla.serving.records.RecordLayout.read_slots` rounded to BF16 (code times scale, then plus
+It computes exactly :meth:`quantmla.formats.records.RecordLayout.unpack` of
+:meth:`~quantmla.formats.records.RecordLayout.read_slots` rounded to BF16 (code times scale, then plus
 minimum, in float32 without contraction; round half to even), in one launch instead of the torch path's
 dozens of kernels and ``[N, d]`` intermediates. A prefill reading its context (earlier chunks, prefix
 hits) through an engine's pages calls it once per layer and chunk. With shadow rows, the tokens the
@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
-from quantmla.kernels.write import _bf16_bits, field_offsets, fused_scheme
-from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import SUB
+from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import SUB
+from quantmla.kernels.write import bf16_bits, field_offsets, fused_scheme
 
 
 @triton.jit
@@ -65,8 +65,8 @@ def _gather_kernel(
             c = _dequant(cw, PH + (page + BS * CSM + off * (4 * (DC // G))) // 2, CB, 8, DC, G)
             rw = P16 + (page + BS * RC + off * (DR // 2)) // 2
             r = _dequant(rw, PH + (page + BS * RSM + off * (4 * (DR // G))) // 2, 4, 4, DR, G)
-            tl.store(out + tl.arange(0, DC), _bf16_bits(c))
-            tl.store(out + DC + tl.arange(0, DR), _bf16_bits(r))
+            tl.store(out + tl.arange(0, DC), bf16_bits(c))
+            tl.store(out + DC + tl.arange(0, DR), bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
             rec = P16 + (page + off * REC) // 2  # not `row`: Triton types a name once across both branches
             tl.store(out + tl.arange(0, DC), tl.load(rec + tl.arange(0, DC)))

@@ -1,29 +1,30 @@
-"""Paged storage of the quantised MLA cache for the decode kernels, and its write path.
+"""The decode kernels' page store: field-major record pages, read in place.
 
-Pages hold ``page_size`` tokens of one sequence; a block table maps each sequence's logical pages
-to physical ones. Per page and token the fields are stored as separate arrays (struct of arrays):
+Pages hold ``page_size`` tokens of one sequence; a block table maps each sequence's logical pages to physical
+ones. A page is ``page_size`` token records of :class:`~quantmla.formats.records.RecordLayout` stored
+field-major (each field's bytes for all the page's tokens, then the next field), so every field is an array
+``[pages, page_size, nbytes]`` the kernels read with the page stride of the pool:
 
-* content codes ``[pages, page_size, d_c * bits / 8]`` uint8 (or the BF16 latent itself),
-* content scale and minimum ``[pages, page_size, d_c / group, 2]`` fp16, interleaved, so the
-  kernel reads one 32-bit word per token and group (``c_scale`` / ``c_min`` are views of it),
-* RoPE codes ``[pages, page_size, d_r * bits / 8]`` uint8 (or BF16), scale and minimum likewise.
+* content codes (group-planar words, :func:`quantmla.formats.packing.pack_words`), then per token and group
+  the fp16 (scale, minimum) pair, so the kernel reads one 32-bit word per token and group;
+* RoPE codes and their (scale, minimum) pairs likewise;
+* or, unquantised, the BF16 token ``[c | k^R]`` (FlashMLA's dense layout, vLLM's own).
 
-Codes are packed *group-planar* (:func:`pack_words`): a path of ``d`` channels is cut into
-``planes`` runs of ``d / planes`` channels (8 for the content latent, 4 for the RoPE key), each
-inside one quantisation group; a little-endian word of ``planes * bits`` bits holds one code of
-every run (code ``k`` of word ``e`` is channel ``k * d / planes + e``, at bit ``k * bits``). The
-kernel turns a pair of words into one fp16 pair per run with a few bit operations
-(:mod:`quantmla.kernels.unpack`), and each run is a contiguous channel slice with one scale and
-minimum per token.
+An engine's pages (vLLM's ``[num_blocks, block_size, record_bytes]`` uint8 tensor) are the same thing:
+:meth:`PagedLatentStore.from_pages` views them as a store without a copy. :class:`PagedLayout` says which
+layouts the kernels read (bits, geometry, page size) and refuses the others with the reason.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from quantmla.quant.affine import quantize_groups
+from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.scheme import parse_scheme
 
 KERNEL_CONTENT_BITS = (16, 4, 2)
 KERNEL_ROPE_BITS = (16, 4)
@@ -33,38 +34,6 @@ PAGE_SIZES = (16, 32, 64, 128)
 class NoKernelLayout(ValueError):
     """The kernel layout cannot hold this cache (scheme format, geometry, group or page size); the
     message says why. The torch path of the cache may still serve it."""
-
-
-CONTENT_PLANES = 8
-ROPE_PLANES = 4
-
-
-def pack_words(codes: torch.Tensor, bits: int, planes: int) -> torch.Tensor:
-    """Group-planar packing of ``codes`` (last dim ``d``) into little-endian bytes
-    ``[..., d * bits / 8]``: word ``e`` (``planes * bits`` bits) holds channel ``k * d / planes + e``
-    at bit ``k * bits``, for ``k < planes``."""
-    word_bits = planes * bits
-    if bits not in (2, 4) or word_bits not in (16, 32):
-        raise ValueError(f"bits={bits}, planes={planes}: words must be 16 or 32 bits of 2- or 4-bit codes")
-    d = codes.shape[-1]
-    if d % planes:
-        raise ValueError(f"{d} channels do not split into {planes} planes")
-    runs = codes.to(torch.int64).reshape(*codes.shape[:-1], planes, d // planes)
-    words = torch.zeros_like(runs[..., 0, :])
-    for k in range(planes):
-        words |= runs[..., k, :] << (bits * k)
-    nbytes = word_bits // 8
-    out = torch.stack([(words >> (8 * i)) & 255 for i in range(nbytes)], dim=-1)  # little-endian
-    return out.flatten(-2).to(torch.uint8)
-
-
-def unpack_words(packed: torch.Tensor, bits: int, planes: int) -> torch.Tensor:
-    """Inverse of :func:`pack_words`: codes ``[..., d]`` (uint8)."""
-    nbytes = planes * bits // 8
-    by = packed.to(torch.int64).unflatten(-1, (-1, nbytes))
-    words = sum(by[..., i] << (8 * i) for i in range(nbytes))
-    mask = (1 << bits) - 1
-    return torch.cat([(words >> (bits * k)) & mask for k in range(planes)], dim=-1).to(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -108,8 +77,6 @@ class PagedLayout:
 
     @classmethod
     def for_scheme(cls, scheme: str, **kw) -> PagedLayout:
-        from quantmla.quant.scheme import parse_scheme
-
         s = parse_scheme(scheme)
 
         def b(fmt) -> int:
@@ -133,60 +100,88 @@ class PagedLayout:
     def quantized(self) -> bool:
         return self.content_bits != 16
 
-    def content_width(self) -> int:
-        return self.kv_lora_rank * self.content_bits // 8 if self.quantized else self.kv_lora_rank + self.rope_dim
+    @property
+    def scheme(self) -> str:
+        return f"c{self.content_bits}r{self.rope_bits}" if self.quantized else "bf16"
 
-    def rope_width(self) -> int:
-        return self.rope_dim * self.rope_bits // 8
+    @functools.cached_property
+    def records(self) -> RecordLayout:
+        """One token's record: the bytes a page holds per token."""
+        return RecordLayout(self.scheme, self.kv_lora_rank, self.rope_dim, self.group_size)
 
     def bytes_per_token(self) -> int:
-        if not self.quantized:
-            return 2 * (self.kv_lora_rank + self.rope_dim)
-        c = self.content_width() + 4 * (self.kv_lora_rank // self.group_size)
-        r = self.rope_width() + 4 * (self.rope_dim // self.group_size) if self.rope_bits != 16 else 2 * self.rope_dim
-        return c + r
+        return self.records.record_bytes
 
 
 class PagedLatentStore:
-    """A pool of pages in :class:`PagedLayout`, with a quantise-and-pack write path.
+    """A pool of ``num_pages`` pages of ``layout`` (``pages [num_pages, page_size, record_bytes]``, uint8,
+    field-major), and the typed views of each field the kernels read (:meth:`kernel_views`, or
+    :attr:`content` for BF16 pages). :meth:`from_pages` takes an engine's pages in place."""
 
-    For ``content_bits == 16`` the content array holds the whole BF16 token ``[c | k^R]`` (576
-    values at DeepSeek geometry), as FlashMLA's dense cache does.
-    """
+    def __init__(
+        self, layout: PagedLayout, num_pages: int, device: str | torch.device = "cpu", pages: torch.Tensor | None = None
+    ) -> None:
+        self.layout, self.records = layout, layout.records
+        if pages is None:
+            pages = torch.zeros(num_pages, layout.page_size, self.records.record_bytes, dtype=torch.uint8,
+                                device=device)  # fmt: skip
+        self.pages, self.num_pages = pages, pages.shape[0]
+        if not layout.quantized:
+            self.content = self.records.page_view(pages, "bf16").view(torch.bfloat16)  # [pages, page, d_c + d_r]
+            self._views = None
+            return
+        self.content = None
+        cword = torch.int32 if layout.content_bits == 4 else torch.int16
+        self._views = (
+            self.field("c_codes").view(cword),
+            self.field("c_sm").view(torch.int32),
+            self.field("r_codes").view(torch.int16),
+            self.field("r_sm").view(torch.int32),
+        )
 
-    def __init__(self, layout: PagedLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
-        self.layout, self.num_pages = layout, num_pages
-        lay, p, t = layout, num_pages, layout.page_size
-        if lay.quantized:
-            self.content = torch.zeros(p, t, lay.content_width(), dtype=torch.uint8, device=device)
-            g = lay.kv_lora_rank // lay.group_size
-            self.c_sm = torch.zeros(p, t, g, 2, dtype=torch.float16, device=device)  # (scale, minimum)
-            self.c_scale, self.c_min = self.c_sm[..., 0], self.c_sm[..., 1]
-            gr = lay.rope_dim // lay.group_size
-            self.rope = torch.zeros(p, t, lay.rope_width(), dtype=torch.uint8, device=device)
-            self.r_sm = torch.zeros(p, t, gr, 2, dtype=torch.float16, device=device)
-            self.r_scale, self.r_min = self.r_sm[..., 0], self.r_sm[..., 1]
-        else:
-            self.content = torch.zeros(p, t, lay.kv_lora_rank + lay.rope_dim, dtype=torch.bfloat16, device=device)
-            self.c_sm = self.c_scale = self.c_min = self.rope = self.r_sm = self.r_scale = self.r_min = None
+    @classmethod
+    def from_pages(cls, pages: torch.Tensor, records: RecordLayout) -> PagedLatentStore:
+        """An engine's field-major ``pages [num_blocks, block_size, record_bytes]`` (uint8) as a store, in place.
+        Raises :class:`NoKernelLayout` for a scheme or geometry the kernels do not cover (``fp8``, ``c8r8``;
+        block sizes other than 16-128), with the reason."""
+        if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[-1] != records.record_bytes:
+            raise ValueError(
+                f"pages must be uint8 [num_blocks, block_size, {records.record_bytes}], got {pages.dtype}"
+                f" {tuple(pages.shape)}"
+            )
+        if pages.stride(-1) != 1 or pages.stride(-2) != pages.shape[-1]:
+            raise ValueError("each page must be contiguous")
+        layout = PagedLayout.for_scheme(
+            records.scheme, kv_lora_rank=records.kv_lora_rank, rope_dim=records.rope_dim,
+            group_size=records.group_size, page_size=pages.shape[1],
+        )  # fmt: skip
+        if pages.data_ptr() % 16 or pages.stride(0) % 16:
+            raise NoKernelLayout("pages must start 16-byte aligned with a page stride of a multiple of 16 bytes")
+        return cls(layout, pages.shape[0], pages=pages)
+
+    def field(self, name: str) -> torch.Tensor:
+        """Field ``name`` of every page (a view ``[pages, page_size, nbytes]``, uint8)."""
+        return self.records.page_view(self.pages, name)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The storage arrays (scale/minimum views not repeated)."""
-        return [x for x in (self.content, self.c_sm, self.rope, self.r_sm) if x is not None]
+        """The storage (one tensor: the pages)."""
+        return [self.pages]
 
     def kernel_views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Content words (int32 for INT4, int16 for INT2), scale|minimum words (int32), RoPE words
-        (int16), RoPE scale|minimum words: the typed views the low-bit kernel reads."""
-        cw = self.content.view(torch.int32 if self.layout.content_bits == 4 else torch.int16)
-        return cw, self.c_sm.view(torch.int32), self.rope.view(torch.int16), self.r_sm.view(torch.int32)
+        (int16), RoPE scale|minimum words: views ``[pages, page_size, words]`` of :attr:`pages`, the typed
+        words the low-bit kernel reads."""
+        if self._views is None:
+            raise ValueError("a BF16 store has no low-bit views; the kernel reads .content")
+        return self._views
 
     def nbytes(self) -> int:
         """Bytes of the whole pool (every page, in use or not)."""
-        return sum(x.numel() * x.element_size() for x in self.tensors())
+        return self.pages.numel() * self.pages.element_size()
 
     def page_nbytes(self) -> int:
-        """Bytes of one page, measured from the storage arrays (codes, scale|minimum words, RoPE)."""
-        return sum(x[0].numel() * x.element_size() for x in self.tensors())
+        """Bytes of one page."""
+        return self.pages[0].numel() * self.pages.element_size()
 
     def write(
         self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor, check: bool = True
@@ -194,32 +189,8 @@ class PagedLatentStore:
         """Store tokens ``c [N, d_c]``, ``r [N, d_r]`` at ``(pages[i], slots[i])``, quantised once.
         ``check``: reject non-finite values or values beyond the fp16 range of the scales (this reads the
         values back to the host: a GPU sync; the cache's decode steps pass ``False``)."""
-        lay = self.layout
-        if not lay.quantized:
-            self.content[pages, slots] = torch.cat([c, r], dim=-1).to(torch.bfloat16)
-            return
-        qc = quantize_groups(c, lay.content_bits, lay.group_size, check=check)
-        qr = quantize_groups(r, lay.rope_bits, lay.group_size, check=check)
-        self.content[pages, slots] = pack_words(qc.codes, lay.content_bits, CONTENT_PLANES)
-        self.c_sm[pages, slots] = torch.stack([qc.scale, qc.minimum], dim=-1).to(torch.float16)
-        self.rope[pages, slots] = pack_words(qr.codes, lay.rope_bits, ROPE_PLANES)
-        self.r_sm[pages, slots] = torch.stack([qr.scale, qr.minimum], dim=-1).to(torch.float16)
+        self.records.write_pages(self.pages, pages * self.layout.page_size + slots, c, r, check=check)
 
     def read(self, pages: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised ``(c, r)`` of the tokens at ``(pages, slots)``, float32 (the reference path)."""
-        lay = self.layout
-        if not lay.quantized:
-            x = self.content[pages, slots].float()
-            return x[..., : lay.kv_lora_rank], x[..., lay.kv_lora_rank :]
-        g = lay.group_size
-        cc = unpack_words(self.content[pages, slots], lay.content_bits, CONTENT_PLANES).float()
-        c = (
-            cc.unflatten(-1, (-1, g)) * self.c_scale[pages, slots].float().unsqueeze(-1)
-            + self.c_min[pages, slots].float().unsqueeze(-1)
-        ).flatten(-2)
-        rc = unpack_words(self.rope[pages, slots], lay.rope_bits, ROPE_PLANES).float()
-        r = (
-            rc.unflatten(-1, (-1, g)) * self.r_scale[pages, slots].float().unsqueeze(-1)
-            + self.r_min[pages, slots].float().unsqueeze(-1)
-        ).flatten(-2)
-        return c, r
+        return self.records.unpack(self.records.read_slots(self.pages, pages * self.layout.page_size + slots))

@@ -1,7 +1,7 @@
 """How the decode kernels split each sequence's pages among programs (split-KV), on the host and on the device.
 
 The launch's grid holds :func:`split_capacity` split programs a sequence. Inside the kernels every program
-plans the same figure from the lengths (:func:`_pages_per_split`): :func:`default_num_splits` for the
+plans the same figure from the lengths (:func:`plan_pages_per_split`): :func:`default_num_splits` for the
 sequences that have pages, not the launch's batch, which a CUDA graph pads with empty sequences (vLLM runs 5
 requests in its graph of 8), and the longest of them; the batch's pages spread over that many programs a
 sequence. :func:`pages_per_split` is the same plan on the host, :func:`planned_pages_per_split` runs the
@@ -15,6 +15,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from quantmla.formats.windows import WindowPolicy
 
 MAX_SPLITS = 256
 PLAN_BLOCK = 128  # sequences a step of the kernels' split plan reads
@@ -31,7 +33,7 @@ def _paged_tokens(total, WS: tl.constexpr, WR: tl.constexpr):
 
 
 @triton.jit
-def _pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
+def plan_pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
                      SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr):  # fmt: skip
     """Pages per split, one figure for the whole launch, planned on the device from the lengths (the same
     on every program): :func:`default_num_splits` for the sequences that have pages (not the launch's
@@ -58,11 +60,11 @@ def _pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR
 
 
 @triton.jit
-def _split_pages(NPAGED, KSTART, b, split, NS, per, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
+def split_pages(NPAGED, KSTART, b, split, NS, per, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr,
                  PLAN: tl.constexpr):  # fmt: skip
     """Paged-token count, left-padding start, the page range ``[p0, p1)`` of one split (empty past the
     sequence's pages) and how many of the sequence's splits have pages: ``per`` pages a split from
-    :func:`_pages_per_split` (``PLAN``), else the sequence's pages over ``NS`` splits. With shadow windows
+    :func:`plan_pages_per_split` (``PLAN``), else the sequence's pages over ``NS`` splits. With shadow windows
     (``WS + WR > 0``: sinks and recent window read from the shadows), ``NPAGED`` holds each sequence's
     length."""
     total = tl.load(NPAGED + b)
@@ -91,8 +93,8 @@ def default_num_splits(batch: int, head_groups: int, max_pages: int, device: tor
     pages per split and four when it would leave 4-24, and for larger ones four when it would leave fewer
     than 4 (48 x 4K: 11 splits of 6 pages, not 22 of 3; 128 x 4K keeps 9, about 7 pages each); at most one
     split per page and MAX_SPLITS splits. Each split costs a partial output to write and combine, so short
-    splits lose. The H200 timings behind these thresholds are in BENCHMARKS.md. Integer arithmetic, as the
-    kernels' own plan (:func:`_pages_per_split`) computes it on the device."""
+    splits lose. The H200 timings behind these thresholds are in docs/notebook.md (the split plan). Integer
+    arithmetic, as the kernels' own plan (:func:`plan_pages_per_split`) computes it on the device."""
     sms, bh = sm_count(device), batch * head_groups
     c8 = -(-8 * sms // bh)  # ceil(programs at eight per SM / sequences)
     small = bh <= 32
@@ -108,7 +110,7 @@ def split_capacity(batch: int, head_groups: int, max_pages: int, device: torch.d
     sequences up) the most it gives for any batch in ``[min_batch, batch]``. vLLM replays a batch in the
     smallest graph captured for at least as many, so that range starts one past the next smaller captured
     size (41-48 for the graph of 48). The kernels plan the splits they use on the device from the sequences
-    that have pages (:func:`_pages_per_split`), at most this many."""
+    that have pages (:func:`plan_pages_per_split`), at most this many."""
     lo = batch if min_batch is None else min_batch
     if not 1 <= lo <= batch:
         raise ValueError(f"min_batch={min_batch}: must be 1..{batch} (the graph's batch)")
@@ -118,8 +120,9 @@ def split_capacity(batch: int, head_groups: int, max_pages: int, device: torch.d
 def pages_per_split(n_paged: list[int], head_groups: int, capacity: int, page: int, device: torch.device,
                     sink: int = 0, recent: int = 0) -> int:  # fmt: skip
     """The kernels' split plan on the host, for lengths ``n_paged``: pages a split (see
-    :func:`_pages_per_split`)."""
-    paged = [(n - recent if n > sink + recent else 0) if sink + recent else n for n in n_paged]
+    :func:`plan_pages_per_split`)."""
+    policy = WindowPolicy(sink, recent)
+    paged = [int(policy.paged_range(n)[1]) if policy.enabled else n for n in n_paged]
     pages = [-(-n // page) for n in paged]
     act = sum(1 for p in pages if p > 0)
     mx = max(pages, default=0)
@@ -131,7 +134,7 @@ def pages_per_split(n_paged: list[int], head_groups: int, capacity: int, page: i
 @triton.jit
 def _plan_kernel(NPAGED, OUT, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr, WR: tl.constexpr, SMS: tl.constexpr,
                  MAXS: tl.constexpr, PLAN_B: tl.constexpr):  # fmt: skip
-    tl.store(OUT, _pages_per_split(NPAGED, B, HG, NS, PAGE, WS, WR, SMS, MAXS, PLAN_B))
+    tl.store(OUT, plan_pages_per_split(NPAGED, B, HG, NS, PAGE, WS, WR, SMS, MAXS, PLAN_B))
 
 
 def planned_pages_per_split(n_paged: torch.Tensor, head_groups: int, capacity: int, page: int, sink: int = 0,

@@ -1,7 +1,7 @@
 """Unpack-and-dequantise of group-planar code words into fp16 MMA operands, inside Triton kernels.
 
 A word of ``planes * bits`` bits holds one code of each of ``planes`` planes (the packing of
-:func:`quantmla.kernels.layout.pack_words`); each plane is a run of channels inside one quantisation
+:func:`quantmla.formats.packing.pack_words`); each plane is a run of channels inside one quantisation
 group, so a plane of a token tile has one scale and one minimum per token.
 
 On the GPU one inline-PTX call turns two words into one ``f16x2`` register per plane, without any

@@ -1,7 +1,7 @@
 """The fused cache write: quantise, pack and store new tokens into field-major record pages, one
 program per token (Triton; the CPU interpreter runs it in tests).
 
-It computes exactly :meth:`quantmla.serving.records.RecordLayout.write_pages` (bit for bit: the
+It computes exactly :meth:`quantmla.formats.records.RecordLayout.write_pages` (bit for bit: the
 minimum rounded down and the scale rounded up to fp16 from float64, IEEE division, round half to even)
 in one launch instead of the torch path's few dozen small kernels, which dominate an engine's decode
 step at 27 layers. Covers the kernel schemes (``bf16``, ``c4r4``, ``c2r4``); padding slots (``< 0``)
@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
-from quantmla.serving.records import RecordLayout
-from quantmla.serving.windows import SUB
+from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import SUB
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _fp16_up(v):
 
 
 @triton.jit
-def _bf16_bits(x):
+def bf16_bits(x):
     """The bits of ``x`` (fp32, finite) rounded half to even to bfloat16, as int16 (integer arithmetic: the
     same on the GPU and in the interpreter, whose float cast truncates)."""
     b = x.to(tl.int32, bitcast=True)
@@ -106,12 +106,12 @@ def _write_kernel(
                 sh = tl.load(SMAP + slot // SUB).to(tl.int64)
                 if sh >= 0:
                     srow = SROWS + (sh * SUB + slot % SUB) * (DC + DR)
-                    tl.store(srow + tl.arange(0, DC), _bf16_bits(c))
-                    tl.store(srow + DC + tl.arange(0, DR), _bf16_bits(r))
+                    tl.store(srow + tl.arange(0, DC), bf16_bits(c))
+                    tl.store(srow + DC + tl.arange(0, DR), bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
             row = P16 + (page + off * REC) // 2
-            tl.store(row + tl.arange(0, DC), _bf16_bits(c))
-            tl.store(row + DC + tl.arange(0, DR), _bf16_bits(r))
+            tl.store(row + tl.arange(0, DC), bf16_bits(c))
+            tl.store(row + DC + tl.arange(0, DR), bf16_bits(r))
 
 
 def fused_scheme(layout: RecordLayout) -> bool:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, PretrainedConfig
 
-from quantmla.export_format import META_FILE, read_codec, read_meta
+from quantmla.formats.codec import ModelCodec
+from quantmla.formats.export import META_FILE, read_codec, read_meta
+from quantmla.formats.scheme import parse_scheme
 from quantmla.models.adapter import MLADims, get_adapter
 from quantmla.quant.affine import check_group
-from quantmla.quant.codec import ModelCodec
-from quantmla.quant.scheme import parse_scheme
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ def check_quantizable(x: torch.Tensor, what: str = "input") -> None:
         raise ValueError(f"|{what}| reaches {amax:g}, beyond the fp16 range ({FP16_MAX}) of the stored scale/min")
 
 
-def _fp16_round(x: torch.Tensor, direction: float) -> torch.Tensor:
+def fp16_round(x: torch.Tensor, direction: float) -> torch.Tensor:
     """Round ``x`` (float64, so tiny quotients do not underflow) to fp16 towards ``direction``."""
     y = x.to(torch.float16)
     off = (y.double() > x) if direction < 0 else (y.double() < x)
@@ -82,9 +82,9 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int = 64, check: boo
     xf = x.float().reshape(*x.shape[:-1], d // group_size, group_size)
     lo = xf.amin(-1)
     hi = xf.amax(-1)
-    minimum = _fp16_round(lo.double(), float("-inf")).clamp_min(-FP16_MAX)
+    minimum = fp16_round(lo.double(), float("-inf")).clamp_min(-FP16_MAX)
     qmax = (1 << bits) - 1
-    scale = _fp16_round((hi.double() - minimum.double()) / qmax, float("inf"))
+    scale = fp16_round((hi.double() - minimum.double()) / qmax, float("inf"))
     s = scale.float().unsqueeze(-1)
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.round((xf - minimum.float().unsqueeze(-1)) / safe).clamp_(0, qmax)

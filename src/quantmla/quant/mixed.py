@@ -8,8 +8,9 @@ reads the range on its own grid, ``scale_i = span / (2**bits[i] - 1)``:
     code_i = clamp(round((x_i - min) / scale_i), 0, 2**bits[i] - 1),  x_hat_i = code_i * scale_i + min,
 
 so ``|x_i - x_hat_i| <= scale_i / 2`` and the metadata is that of the uniform quantiser (32 bits a group).
-Codes are packed as one little-endian bit stream per token, channel after channel, padded to a byte:
-``ceil(sum(bits) / 8)`` bytes plus 4 a group. A zero width stores nothing: the channel reads as ``min``.
+Codes are stored as one little-endian bit stream per token, channel after channel, padded to a byte
+(:func:`quantmla.formats.packing.pack_mixed`): ``ceil(sum(bits) / 8)`` bytes plus 4 a group. A zero width
+stores nothing: the channel reads as ``min``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantmla.quant.affine import FP16_MAX, _fp16_round, check_group, check_quantizable
+from quantmla.quant.affine import FP16_MAX, check_group, check_quantizable, fp16_round
 
 MIXED_BITS = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -39,11 +40,6 @@ def pair_channel_bits(pair_bits: tuple[int, ...], pairs: list[tuple[int, int]]) 
     for b, (i, j) in zip(pair_bits, pairs, strict=True):
         out[i] = out[j] = int(b)
     return tuple(out)
-
-
-def packed_bytes(bits: tuple[int, ...]) -> int:
-    """Bytes of one token's codes."""
-    return -(-sum(bits) // 8)
 
 
 @dataclass(frozen=True)
@@ -87,8 +83,8 @@ def dequantize_mixed(codes, minimum, span, bits, group_size, dtype=torch.float32
 def _encode(xf: torch.Tensor, levels: torch.Tensor, axis: int):
     """Codes, fp16 minimum and span of ``xf`` with the range taken along ``axis`` and a channel's step
     ``span / levels`` (``levels`` broadcasts against ``xf``)."""
-    minimum = _fp16_round(xf.amin(axis).double(), float("-inf")).clamp_min(-FP16_MAX)
-    span = _fp16_round(xf.amax(axis).double() - minimum.double(), float("inf"))
+    minimum = fp16_round(xf.amin(axis).double(), float("-inf")).clamp_min(-FP16_MAX)
+    span = fp16_round(xf.amax(axis).double() - minimum.double(), float("inf"))
     scale = span.float().unsqueeze(axis) / levels.clamp_min(1)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((xf - minimum.float().unsqueeze(axis)) / safe)
@@ -98,35 +94,6 @@ def _encode(xf: torch.Tensor, levels: torch.Tensor, axis: int):
 
 def _decode(c: torch.Tensor, minimum, span, levels: torch.Tensor, axis: int) -> torch.Tensor:
     return c * (span.float().unsqueeze(axis) / levels.clamp_min(1)) + minimum.float().unsqueeze(axis)
-
-
-def _stream(bits: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each bit of the packed stream: the channel it belongs to and its place in that channel's code."""
-    ch = [i for i, b in enumerate(bits) for _ in range(b)]
-    sh = [k for b in bits for k in range(b)]
-    return torch.tensor(ch, dtype=torch.long, device=device), torch.tensor(sh, dtype=torch.long, device=device)
-
-
-def pack_mixed(codes: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
-    """``codes [..., d]`` into ``[..., packed_bytes(bits)]`` uint8: one bit stream per token."""
-    ch, sh = _stream(bits, codes.device)
-    stream = (codes.long()[..., ch] >> sh) & 1  # [..., total bits]
-    n = packed_bytes(bits)
-    stream = torch.nn.functional.pad(stream, (0, 8 * n - stream.shape[-1]))
-    place = torch.arange(8, device=codes.device)
-    return (stream.reshape(*codes.shape[:-1], n, 8) << place).sum(-1).to(torch.uint8)
-
-
-def unpack_mixed(packed: torch.Tensor, bits: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`pack_mixed`: ``[..., len(bits)]`` uint8 codes."""
-    if packed.shape[-1] != packed_bytes(bits):
-        raise ValueError(f"packed last dim {packed.shape[-1]} does not hold codes of widths summing to {sum(bits)}")
-    ch, sh = _stream(bits, packed.device)
-    k = torch.arange(ch.numel(), device=packed.device)
-    bit = (packed.long()[..., k // 8] >> (k % 8)) & 1
-    out = torch.zeros(*packed.shape[:-1], len(bits), dtype=torch.long, device=packed.device)
-    out.index_add_(-1, ch, bit << sh)
-    return out.to(torch.uint8)
 
 
 def quantize_channels_mixed(x: torch.Tensor, bits: tuple[int, ...], page: int, check: bool = True) -> MixedQuantized:

@@ -138,8 +138,3 @@ def dequantize_turbo(codes: torch.Tensor, norms: torch.Tensor, channel_bits: tup
         y_hat = codebook(b, d, codes.device, wide)[codes[..., idx].long()]
         out[..., idx] = norms[..., g : g + 1].to(wide) * (y_hat @ rotation(d, b, codes.device, wide).T)
     return out.to(dtype)
-
-
-def turbo_bytes_per_token(channel_bits: tuple[int, ...]) -> int:
-    """Bytes of one token: the bit stream of codes plus an fp16 norm per width group."""
-    return -(-sum(channel_bits) // 8) + 2 * len(width_groups(channel_bits))

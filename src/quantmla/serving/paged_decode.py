@@ -7,14 +7,14 @@ where it cannot be built (no compiler or ninja: ``quantmla[cpu]``), or for other
 below. ``backend`` chooses (:data:`BACKENDS`) and the log says once which one ran.
 
 For a batch of requests with block tables into field-major pages ``[num_blocks, block_size, record_bytes]``
-(:meth:`~quantmla.serving.records.RecordLayout.page_view`), only the pages the batch references are
+(:meth:`~quantmla.formats.records.RecordLayout.page_view`), only the pages the batch references are
 read, a chunk of pages at a time for all requests of similar length together, with an online softmax
 across the chunks (weight-absorbed MQA form: ``q = [q_nope W_UK | q_pe]`` against ``[c | k^R]``, the
 output in the latent space), so each decoded chunk stays in cache.
 
 Each chunk is dequantised into one float32 tile ``[n, d_c + d_r, T]`` (channels in order, ``[c | k^R]``,
 tokens innermost), so both products are one batched matrix product over all ``d_c + d_r`` channels
-(scores) and ``d_c`` (output). Group-planar 2- and 4-bit codes (:func:`quantmla.kernels.layout.pack_words`;
+(scores) and ``d_c`` (output). Group-planar 2- and 4-bit codes (:func:`quantmla.formats.packing.pack_words`;
 plane ``k`` of a path holds channels ``[k * pw, (k + 1) * pw)``) are transposed once to tokens innermost,
 then unpacked a plane at a time with one shift and one mask over the words, and each plane lands in its
 rows of the tile as ``minimum + codes * scale`` in one pass (``addcmul``; with the tokens innermost the
@@ -22,7 +22,7 @@ per-token scale and minimum broadcast over an outer dimension, which vectorises:
 broadcasting them over the channels). (An earlier version kept the scale and minimum folded out of the
 products, one product a plane of ``pw`` channels: those small products ran at a third of the speed of one
 over all channels on this CPU.) Other formats decode through
-:meth:`~quantmla.serving.records.RecordLayout.unpack`. Everything computes in float32.
+:meth:`~quantmla.formats.records.RecordLayout.unpack`. Everything computes in float32.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import logging
 
 import torch
 
-from quantmla.kernels.layout import CONTENT_PLANES, ROPE_PLANES
-from quantmla.serving.records import RecordLayout
+from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES
+from quantmla.formats.records import RecordLayout
 
 #: tokens (over all requests of a group) decoded at once: ~9 MB of float32 tile at 512 + 64
 CHUNK_TOKENS = 4096

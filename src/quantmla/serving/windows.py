@@ -1,15 +1,16 @@
 """The sink and recent windows inside a paged engine: BF16 shadows of the tokens in some window.
 
-:class:`~quantmla.cache.QuantizedLatentCache` reads each sequence's first ``sink`` tokens and its last
-``recent`` tokens unquantised and every other token as stored. An engine's page holds one record a
+The window policy (:class:`~quantmla.formats.windows.WindowPolicy`, as in
+:class:`~quantmla.cache.QuantizedLatentCache`) reads each sequence's first ``sink`` tokens and its last ``recent``
+tokens unquantised and every other token as stored. An engine's page holds one record a
 token, written once, so the plugin keeps the unquantised copy of the window tokens beside the pages:
 
-* a pool of **sub-pages** of :data:`SUB` slots (a slot's sub-page is ``slot // SUB``; a vLLM block of
-  64 tokens has 16). :class:`WindowPool` maps sub-pages to shadow sub-pages, least recently needed
-  first out. It is planned on the host once per engine step (:meth:`WindowPool.plan`): every
-  sub-page that holds a window position of a request in the step, after the step's tokens, gets a
-  shadow before the tokens are written. The pool holds :meth:`WindowConfig.subpages_per_request`
-  sub-pages per request the engine may run at once, so a step always fits;
+* a pool of **sub-pages** of :data:`~quantmla.formats.windows.SUB` slots (a slot's sub-page is
+  ``slot // SUB``; a vLLM block of 64 tokens has 16). :class:`WindowPool` maps sub-pages to shadow sub-pages, least
+  recently needed first out. It is planned on the host once per engine step (:meth:`WindowPool.plan`): every
+  sub-page that holds a window position of a request in the step, after the step's tokens, gets a shadow
+  before the tokens are written. The pool holds :attr:`WindowPolicy.subpages_per_request` sub-pages per
+  request the engine may run at once, so a step always fits;
 * per layer, the shadow rows themselves (:class:`ShadowRows`, the model's dtype). Every write to a
   slot whose sub-page has a shadow also lands in the shadow.
 
@@ -30,71 +31,10 @@ cache holds it, windows relative to the end of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-#: slots per shadow sub-page: a divisor of every block size the plugin takes (16-128). Small, so that a
-#: request's windows take few rows beyond their own: 34 sub-pages, 136 rows, for 4 + 128 (exact: 132)
-SUB = 4
-
-
-@dataclass(frozen=True)
-class WindowConfig:
-    """``sink`` first and ``recent`` last tokens of each request read unquantised (0, 0: none)."""
-
-    sink: int = 4
-    recent: int = 128
-
-    def __post_init__(self) -> None:
-        if self.sink < 0 or self.recent < 0 or self.sink > 4096 or self.recent > 4096:
-            raise ValueError(f"windows (sink={self.sink}, recent={self.recent}): each must be 0..4096")
-
-    @property
-    def width(self) -> int:
-        return self.sink + self.recent
-
-    @property
-    def enabled(self) -> bool:
-        return self.width > 0
-
-    @property
-    def subpages_per_request(self) -> int:
-        """Sub-pages one request's windows can touch: the sinks' plus the recent window's at any offset."""
-        # ``recent`` consecutive positions starting anywhere in a sub-page span at most this many
-        return -(-self.sink // SUB) + (-(-(self.recent + SUB - 1) // SUB) if self.recent else 0)
-
-    def shadow_rows(self, max_requests: int) -> int:
-        """Shadow rows of a pool for ``max_requests`` requests at once (without the scratch row)."""
-        return self.subpages_per_request * max_requests * SUB
-
-
-def window_positions(seq_lens: torch.Tensor, cfg: WindowConfig):
-    """Window positions of requests with ``seq_lens [B]`` tokens in the cache.
-
-    Returns ``pos [B, W]`` (long, ``W = sink + recent``: the sinks, then the recent window, in order),
-    ``ok [B, W]`` (the position exists: a request of ``n <= W`` tokens has all ``n`` in its window,
-    first), and the paged range ``[paged_start, n_paged)`` (int32 ``[B]``) read as stored.
-    """
-    w = cfg.width
-    n = seq_lens.long()[:, None]
-    k = torch.arange(w, device=seq_lens.device)[None, :]
-    long_ = n > w
-    pos = torch.where(long_ & (k >= cfg.sink), n - w + k, k)
-    ok = pos < n
-    paged_start = torch.where(long_[:, 0], cfg.sink, 0).int()
-    n_paged = torch.where(long_[:, 0], n[:, 0] - cfg.recent, 0).int()
-    return pos, ok, paged_start, n_paged
-
-
-def _host_window_positions(seq_lens: np.ndarray, cfg: WindowConfig) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`window_positions` on the host (numpy): ``pos [B, W]`` and ``ok [B, W]``."""
-    w = cfg.width
-    n = seq_lens[:, None]
-    k = np.arange(w)[None, :]
-    pos = np.where((n > w) & (k >= cfg.sink), n - w + k, k)
-    return pos, pos < n
+from quantmla.formats.windows import SUB, WindowPolicy
 
 
 def host_to_device(a: np.ndarray, device) -> torch.Tensor:
@@ -115,7 +55,7 @@ class WindowPool:
     runs at once (vLLM's ``max_num_seqs``).
     """
 
-    def __init__(self, cfg: WindowConfig, num_slots: int, max_requests: int, device) -> None:
+    def __init__(self, cfg: WindowPolicy, num_slots: int, max_requests: int, device) -> None:
         if not cfg.enabled:
             raise ValueError("a window pool needs sink + recent > 0")
         self.cfg = cfg
@@ -196,7 +136,7 @@ class WindowPool:
     def _window_slots(self, table: np.ndarray, seq_lens: np.ndarray, block_size: int):
         """The window slots of requests of ``seq_lens`` tokens (host table rows), flattened, and the
         sub-pages they touch."""
-        pos, ok = _host_window_positions(seq_lens, self.cfg)
+        pos, ok = self.cfg.positions(seq_lens)
         col = np.minimum(pos // block_size, table.shape[1] - 1)
         wslots = np.take_along_axis(table, col, axis=1) * block_size + pos % block_size
         # every sub-page the window touches holds one of these columns (each segment's start, every SUB-th
@@ -253,7 +193,7 @@ class WindowPool:
 class ShadowRows:
     """One layer's shadow rows ``[rows + 1, d_c + d_r]`` (the last: scratch), in the model's dtype."""
 
-    def __init__(self, cfg: WindowConfig, max_requests: int, width: int, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: WindowPolicy, max_requests: int, width: int, dtype: torch.dtype, device=None) -> None:
         self.cfg = cfg
         self.rows = torch.zeros(cfg.shadow_rows(max_requests) + 1, width, dtype=dtype, device=device)
 
@@ -279,7 +219,9 @@ class ShadowRows:
     def window(self, pool: WindowPool, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor):
         """The decode window of each request: ``(win [B, W, d], win_len [B] int32, paged_start, n_paged)``
         (``pages [num_blocks, block_size, ...]`` for the block size)."""
-        pos, ok, paged_start, n_paged = window_positions(seq_lens, self.cfg)
+        lens = seq_lens.long()
+        pos, ok = self.cfg.positions(lens)
+        paged_start, n_paged = (x.int() for x in self.cfg.paged_range(lens))
         bs = pages.shape[1]
         col = (pos // bs).clamp_max(block_table.shape[1] - 1)
         slots = torch.where(ok, block_table.long().gather(1, col) * bs + pos % bs, -1)

@@ -3,7 +3,7 @@
 // folds it into an online softmax, with no intermediate tensor. The arithmetic is the torch path's
 // (quantmla.serving.paged_decode, float32 throughout); only the order of the sums differs.
 //
-// Record layout (quantmla.serving.records.RecordLayout, field-major pages): field f of page p, token i, sits at
+// Record layout (quantmla.formats.records.RecordLayout, field-major pages): field f of page p, token i, sits at
 // byte p * page_bytes + block_size * offset_f + i * nbytes_f. Codes: plane k of a path holds channels
 // [k * pw, (k + 1) * pw) at bits [bits * k, bits * (k + 1)) of each of the pw words; per group of `group`
 // channels one fp16 pair (scale, minimum): value = code * scale + minimum.

@@ -7,7 +7,7 @@ plugin is not asked for (see
 :mod:`quantmla.serving.vllm.selection`), every method defers to vLLM's own ``CPU_MLA``: same
 spec, same kernels, same results. When it is asked for:
 
-* the page holds one :class:`~quantmla.serving.records.RecordLayout` record a token (uint8, e.g.
+* the page holds one :class:`~quantmla.formats.records.RecordLayout` record a token (uint8, e.g.
   324 bytes for C4R4 at 512 + 64, stored field-major inside the page), so vLLM sizes its blocks from
   the record;
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots (one quantisation);
@@ -30,8 +30,8 @@ import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
+from quantmla.formats.records import RecordLayout
 from quantmla.serving.paged_decode import fused_decode, paged_decode
-from quantmla.serving.records import RecordLayout
 from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 

@@ -5,13 +5,13 @@ While the plugin is not asked for (:mod:`quantmla.serving.vllm.selection`), ever
 vLLM's own classes: same metadata builder, same spec, same kernels. When it is asked for:
 
 * :func:`patch_kv_cache_spec` makes every MLA layer ask for ``uint8`` pages of one
-  :class:`~quantmla.serving.records.RecordLayout` record a token (324 bytes for C4R4 at 512 + 64),
+  :class:`~quantmla.formats.records.RecordLayout` record a token (324 bytes for C4R4 at 512 + 64),
   stored field-major in the page, so vLLM sizes its blocks from the record (vLLM 0.26 has no
   ``customize_spec``);
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots, once, in one fused
   Triton launch (:func:`quantmla.kernels.write.write_records`; the torch path for ``fp8``/``c8r8``);
 * decode reads the pages in place through quantmla's Triton kernels
-  (:class:`~quantmla.serving.kernel_pages.KernelPages`, page strides of the engine's tensor); schemes
+  (:meth:`~quantmla.kernels.layout.PagedLatentStore.from_pages`, page strides of the engine's tensor); schemes
   the kernels do not cover (``fp8``, ``c8r8``) decode through the torch path without CUDA graphs,
   and the log says which ran;
 * prefill attends its own new tokens as computed (vLLM's own path, as ``QuantizedLatentCache``'s
@@ -48,11 +48,10 @@ from vllm.v1.attention.backends.mla.flashattn_mla import (
     FlashAttnMLAMetadataBuilder,
 )
 
+from quantmla.formats.records import RecordLayout
 from quantmla.kernels.gather import has_fused_gather
-from quantmla.kernels.layout import NoKernelLayout, PagedLayout
-from quantmla.serving.kernel_pages import KernelPages
+from quantmla.kernels.layout import NoKernelLayout, PagedLatentStore, PagedLayout
 from quantmla.serving.paged_decode import paged_decode
-from quantmla.serving.records import RecordLayout
 from quantmla.serving.vllm.plugin_state import (
     capture_sizes,
     current_selection,
@@ -138,12 +137,12 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             log_once("quantmla plugin: %s decode through %s", sel.scheme,
                       "quantmla's Triton kernels on the pages in place" if self.kernel
                       else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
-        self._pages: tuple[int, KernelPages] | None = None
+        self._pages: tuple[int, PagedLatentStore] | None = None
         # the decode graph of each captured batch replays the batches above the next captured size down
         sizes = capture_sizes()
         self.min_batches = {b: graph_min_batch(b, sizes) for b in sizes or ()}
         # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
-        # splits and the combine; BENCHMARKS.md has the H200 timings), float32 for BF16 records (fp16's range)
+        # splits and the combine; docs/notebook.md has the H200 timings), float32 for BF16 records (fp16's range)
         quantised = self.layout is not None and self.layout.cache_scheme.quantized
         self.partial_dtype = torch.float16 if quantised else torch.float32
         if sel is not None and self.kernel:
@@ -208,7 +207,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             return out, None
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
-            self._pages = (key, KernelPages(kv_c_and_k_pe_cache, self.layout))
+            self._pages = (key, PagedLatentStore.from_pages(kv_c_and_k_pe_cache, self.layout))
         shadow = None
         if self.windows is not None:  # the window rows read in place by the kernel (no gather)
             from quantmla.kernels.decode import ShadowWindow
@@ -281,7 +280,7 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
         return
     window, ends = None, None
     if gather.windows is not None:
-        window, ends = (gather.windows.cfg.sink, gather.windows.cfg.recent), gather.ends
+        window, ends = gather.windows.cfg, gather.ends
     chunk = ContextChunk(block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
     plan = gather.plans.context(chunk)
     slots, wanted = plan.slots, plan.wanted

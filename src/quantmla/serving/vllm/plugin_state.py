@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from quantmla.serving.records import RecordLayout
+from quantmla.formats.records import RecordLayout
 from quantmla.serving.vllm.selection import Selection, select
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it

@@ -19,10 +19,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantmla.export_format import META_FILE, read_meta
-from quantmla.serving.records import RECORD_SCHEMES
+from quantmla.formats.export import META_FILE, read_meta
 
 ENV_SCHEME, ENV_GROUP, ENV_WINDOWS = "QUANTMLA_SCHEME", "QUANTMLA_GROUP_SIZE", "QUANTMLA_WINDOWS"
+#: the schemes the plugin serves (records of :class:`~quantmla.formats.records.RecordLayout`, tested end to end)
+SERVED_SCHEMES = ("bf16", "fp8", "c8r8", "c4r4", "c2r4")
 #: (sink, recent) unless a source says otherwise: QuantizedLatentCache's defaults
 DEFAULT_WINDOWS = (4, 128)
 
@@ -37,8 +38,8 @@ class Selection:
     def __post_init__(self) -> None:
         if self.windows is not None and (len(self.windows) != 2 or min(self.windows) < 0):
             raise ValueError(f"quantmla windows {self.windows} ({self.source}): give [sink, recent], each >= 0")
-        if self.scheme not in RECORD_SCHEMES:
-            raise ValueError(f"quantmla scheme {self.scheme!r} ({self.source}); valid: {', '.join(RECORD_SCHEMES)}")
+        if self.scheme not in SERVED_SCHEMES:
+            raise ValueError(f"quantmla scheme {self.scheme!r} ({self.source}); valid: {', '.join(SERVED_SCHEMES)}")
         if self.group_size not in (16, 32, 64, 128):
             raise ValueError(f"quantmla group_size {self.group_size} ({self.source}); valid: 16, 32, 64, 128")
 

@@ -13,7 +13,7 @@ these were 567 of a prefill step's 1,841 GPU operations (kernels, copies, memset
 1,274. The 8 steps' GPU time was the same (0.5 ms apart in all), but the host, whose launches waited on a full
 launch queue, finished issuing that step 83 ms later than BF16's, and the previous step's token (the second
 request's first) came 79 ms later. With the plans, on another H100 side by side with BF16
-(``docs/serving-gpu-1205-h100c.json``): 1,322 operations against 1,274, and that token 1 ms later.
+(``docs/serving-gpu-1205-h100-step-plans.json``): 1,322 operations against 1,274, and that token 1 ms later.
 
 :class:`StepPlans` holds them for one step: quantmla's metadata builder makes a new one a step
 (``QuantMLAMetadata.plans``). Inside a step the plans are keyed by the tensors vLLM passes (their addresses:
@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import torch
 
+from quantmla.formats.windows import WindowPolicy
 from quantmla.serving.vllm.short_extends import DecodeTokens
 
 T = TypeVar("T")
@@ -47,8 +48,8 @@ class ContextSlots:
 class ContextChunk:
     """One chunk of vLLM's chunked context, as ``gather_and_maybe_dequant_cache`` gets it: token ``i`` belongs
     to request ``token_to_seq[i]`` at position ``i - cu_seq_lens[seq] + seq_starts[seq]`` (``seq_starts``
-    ``None``: from 0). With ``window = (sink, recent)`` and ``ends`` (each prefill request's length after the
-    step), the tokens of its first ``sink`` or last ``recent`` positions are in its window."""
+    ``None``: from 0). With ``window`` (the policy) and ``ends`` (each prefill request's length after the
+    step), the tokens the policy reads unquantised at those lengths are in its window."""
 
     block_table: torch.Tensor
     cu_seq_lens: torch.Tensor
@@ -56,7 +57,7 @@ class ContextChunk:
     num_tokens: int
     block_size: int
     seq_starts: torch.Tensor | None = None
-    window: tuple[int, int] | None = None
+    window: WindowPolicy | None = None
     ends: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -80,8 +81,7 @@ def context_slots(chunk: ContextChunk) -> ContextSlots:
     slots = chunk.block_table[seq, pos // bs].long() * bs + pos % bs
     wanted = None
     if chunk.window is not None:
-        sink, recent = chunk.window
-        wanted = (pos < sink) | (pos >= chunk.ends[seq].long() - recent)
+        wanted = chunk.window.unquantised(pos, chunk.ends[seq].long())
     return ContextSlots(slots, wanted)
 
 

@@ -19,22 +19,23 @@ from dataclasses import dataclass
 import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 
-from quantmla.serving.records import RecordLayout
+from quantmla.formats.records import RecordLayout
+from quantmla.formats.windows import WindowPolicy
 from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
 from quantmla.serving.vllm.short_extends import DecodeTokens, decode_tokens
 from quantmla.serving.vllm.step_plans import StepPlans
-from quantmla.serving.windows import ShadowRows, WindowConfig, WindowPool
+from quantmla.serving.windows import ShadowRows, WindowPool
 
 logger = logging.getLogger("vllm.quantmla")
 
 
-def window_config(sel: Selection | None) -> WindowConfig:
+def window_config(sel: Selection | None) -> WindowPolicy:
     """The windows the selection asks for (none for an unquantised scheme: every token is BF16 already)."""
     if sel is None or not RecordLayout(sel.scheme).cache_scheme.quantized or sel.windows is None:
-        return WindowConfig(0, 0)
-    return WindowConfig(*sel.windows)
+        return WindowPolicy(0, 0)
+    return WindowPolicy(*sel.windows)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class WindowPlanning:
     maps the step's short extends to decode rows (:mod:`quantmla.serving.vllm.short_extends`) when the
     builder's ``reorder_batch_threshold`` is above 1."""
 
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, window_cfg: WindowConfig, **kwargs):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, window_cfg: WindowPolicy, **kwargs):
         kwargs.setdefault("metadata_cls", QuantMLAMetadata)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
         self.window_pool = None
@@ -131,7 +132,7 @@ def current_window_step() -> WindowStep | None:
 class LayerWindows:
     """One MLA layer's windows: its shadow rows (taken off the KV budget) and what it reads from them."""
 
-    def __init__(self, cfg: WindowConfig, layout: RecordLayout, vllm_config, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: WindowPolicy, layout: RecordLayout, vllm_config, dtype: torch.dtype, device=None) -> None:
         self.cfg, self.layout = cfg, layout
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         width = layout.kv_lora_rank + layout.rope_dim

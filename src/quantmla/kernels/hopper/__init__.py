@@ -1,5 +1,0 @@
-"""Hopper (sm_90a) CUDA kernels of the decode kernel v3 (issue 19): built on first use, see :mod:`.build`."""
-
-from quantmla.kernels.hopper.build import HopperUnavailable, extension, missing
-
-__all__ = ["HopperUnavailable", "extension", "missing"]
