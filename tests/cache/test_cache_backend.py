@@ -288,3 +288,52 @@ def test_a_mask_that_is_not_left_padding_gives_nan_or_raises():
         else:
             out = cache.decode_backend(0).attend(*args, mask)
             assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "c4r4"])
+def test_the_kernel_layer_reorders_rows_as_the_torch_layer(scheme):
+    """Beam search's reorder, repeat and select on the paged layer: each row reads its source row's tokens, and
+    tokens written after it land in the row's own pages (no two rows share one)."""
+    B, T = 3, 70
+    c, r = tokens(B, T + 40)
+    kc = latent_read(QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=8, page_size=16, backend="triton"))
+    tc = QuantizedLatentCache(CFG, scheme=scheme, sink=2, recent=8, page_size=16, backend="torch")
+
+    def same():
+        k, t = kc.layers[0], tc.layers[0]
+        assert k.batch == t.batch and torch.equal(k.keys, t.keys) and torch.equal(k.values, t.values)
+
+    for cache in (kc, tc):
+        cache.update(c[:, :, :T], r[:, :, :T], 0)
+        cache.reorder_cache(torch.tensor([2, 0, 0]))
+    same()
+    for t in range(T, T + 20):  # decode steps after the reorder: rows 1 and 2 part from here
+        step = torch.arange(B)[:, None, None, None] + 1.0  # a different token in each row
+        for cache in (kc, tc):
+            cache.update((c[:, :, t : t + 1] * step).to(c.dtype), r[:, :, t : t + 1], 0)
+    same()
+    for cache in (kc, tc):
+        cache.batch_repeat_interleave(2)
+        cache.update(
+            c[:, :, T + 20 : T + 40].repeat_interleave(2, 0), r[:, :, T + 20 : T + 40].repeat_interleave(2, 0), 0
+        )
+        cache.batch_select_indices(torch.tensor([5, 0]))
+    same()
+    assert kc.layers[0].block_table.shape[0] == 2
+
+
+def test_beam_search_runs_through_the_kernel_backend():
+    """``generate(num_beams=2)`` with the kernel backend (the default on CUDA for a BF16 model): the same beams as
+    the torch backend on this model."""
+    from quantmla.models.compat import cache_kwargs
+    from tiny_models import tiny_model
+
+    model = quantmla.enable_latent_attention(tiny_model("deepseek_v3", torch.bfloat16).to(DEV))
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
+    outs = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedLatentCache(model.config, scheme="c4r4", sink=2, recent=8, page_size=16, backend=backend)
+        outs[backend] = model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0,
+                                       **cache_kwargs(cache))  # fmt: skip
+        assert cache.backends_used() == [backend] * len(cache.layers)
+    assert torch.equal(outs["torch"], outs["triton"])

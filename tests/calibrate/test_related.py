@@ -32,6 +32,7 @@ def test_raq_transforms_are_exact_at_full_precision_and_never_worse_held_out():
     _, report = calibrate_model(model, None, _ids(), scheme="c2g64q94r4p8", method="raq", **TINY)
     codec = report.codec
     assert any(lc.content.transform is not None or lc.rope.transform is not None for lc in codec.layers)
+    assert not report.weights_changed  # RAQ-MLA's transforms are the codec's, not the weights'
     for row in report.layers:
         for path in ("content", "rope"):
             vals = row[path]["candidate_val"]
@@ -99,6 +100,7 @@ def test_rolaq_and_quantmla_raq_keep_the_float64_function(method, scheme):
     changed = any(not torch.equal(a, b) for a, b in zip(fused.state_dict().values(), ref.state_dict().values(),
                                                           strict=True))  # fmt: skip
     assert changed  # a rotation (RoLaQ) or QuantMLA's transforms were fused
+    assert report.weights_changed  # and the report says so (the CLI's message reads it)
     for row in report.layers:
         if method == "rolaq":
             assert row["content"]["val_after"] <= min(row["content"]["candidate_val"].values()) + 1e-12

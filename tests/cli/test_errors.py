@@ -3,6 +3,7 @@ nothing loaded before the check (from_pretrained is patched to fail the test if 
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,24 +126,47 @@ def test_bad_scheme_method_group_before_any_weight(no_weights):
     _usage_error(["calibrate", "--out", "x", "--model-objective", "mse"], "'mse'", "valid: kl, ce")
 
 
-def test_value_error_from_deep_inside_is_one_line_and_bugs_are_not_swallowed(monkeypatch):
+@pytest.mark.parametrize("error", [ValueError("something deep\n  went wrong"), KeyError("a genuine bug")])
+def test_an_error_inside_the_work_is_a_traceback_labelled_a_bug(monkeypatch, error):
+    """Every input is checked before the work begins, so an exception in it (a ValueError included) is a bug:
+    its traceback and one line saying so, exit code 1; never a usage error."""
     import quantmla.eval.ppl as ppl
 
     def deep(*args, **kwargs):
-        raise ValueError("something deep\n  went wrong: valid: x, y")
+        raise error
 
     monkeypatch.setattr(ppl, "perplexity", deep)
     res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "1", "--seq-len", "16"])
-    assert res.exit_code == 2 and "Traceback" not in res.output
-    errors = [ln for ln in res.output.splitlines() if "Error" in ln]
-    assert errors == ["Error: something deep went wrong: valid: x, y"], res.output
+    assert res.exit_code == 1, (res.exit_code, res.output)
+    assert "Traceback" in res.output and "quantmla eval ppl: internal error, a bug" in res.output
+    assert not any(ln.startswith("Error:") for ln in res.output.splitlines())
 
-    def bug(*args, **kwargs):
-        raise KeyError("a genuine bug")
 
-    monkeypatch.setattr(ppl, "perplexity", bug)
-    res = runner.invoke(app, ["eval", "ppl", "--num-seqs", "1", "--seq-len", "16"])
-    assert res.exit_code == 1 and isinstance(res.exception, KeyError)  # propagates, with its traceback
+def test_calibrate_out_is_checked_before_any_weight(no_weights, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    _usage_error(["calibrate", "--out", str(tmp_path / "file")], "is a file; give a directory")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old.txt").write_text("x")
+    _usage_error(["calibrate", "--out", str(tmp_path / "full")], "is not empty", "--overwrite")
+    import quantmla.cli.errors as errors
+
+    monkeypatch.setattr(errors.os, "access", lambda path, mode: False)
+    _usage_error(["calibrate", "--out", str(tmp_path / "new" / "dir")], "is not writable")
+
+
+@pytest.mark.parametrize(
+    ("changed", "says"), [(True, "transforms fused into the weights"), (False, "weights unchanged")]
+)
+def test_calibrate_says_whether_the_weights_changed(monkeypatch, tmp_path, changed, says):
+    import quantmla.calibrate as calibrate
+
+    report = SimpleNamespace(layers=[], model_level=None, codec=object(), weights_changed=changed)
+    monkeypatch.setattr(calibrate, "calibrate_model", lambda m, tok, texts, **kw: (m, report))
+    monkeypatch.setattr(calibrate, "export", lambda *a, **kw: None)
+    res = runner.invoke(app, ["calibrate", "--out", str(tmp_path / "o"), "--method", "rolaq", "--scheme", "c2r4",
+                              "--num-seqs", "2", "--val-seqs", "1", "--seq-len", "64"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert f"rolaq: {says}; the per-layer cache codec" in " ".join(res.output.split())
 
 
 def test_too_many_windows_is_one_line():

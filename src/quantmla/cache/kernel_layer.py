@@ -103,10 +103,24 @@ class KernelLatentLayer(QuantizedLatentLayer):
         return self.free_page * self.store.page_nbytes()
 
     def _map_batch(self, fn) -> None:
-        if self.is_initialized:
-            raise NotImplementedError(
-                "the triton backend cannot reorder or select batch rows of its paged cache; use backend='torch'"
-            )
+        """Reorder, repeat or select batch rows (beam search): ``fn`` maps the rows of any ``[B, ...]`` tensor. Each
+        new row gets fresh pages holding a copy of its source row's (a sequence writes its pages in place, so two
+        rows never share one), and the windows follow their rows."""
+        if not self.is_initialized:
+            return
+        page = self.layout.page_size
+        used = -(-self.n_mid // page)
+        src = fn(self.block_table.long())[:, :used]  # [B', used]: each new row's source pages
+        b_new, width = src.shape[0], self.block_table.shape[1]
+        pool = PagedLatentStore(self.layout, num_pages=max(b_new * width, 1), device=self.device)
+        pool.pages[: b_new * used] = self.store.pages[src.flatten()]
+        bt = torch.zeros(b_new, width, dtype=torch.int32, device=self.device)
+        bt[:, :used] = torch.arange(b_new * used, dtype=torch.int32, device=self.device).view(b_new, used)
+        self.store, self.block_table, self.free_page = pool, bt, b_new * used
+        for st in (self.sink_c, self.sink_r):
+            st.map_batch(fn)
+        self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
+        self.batch = b_new
 
     def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):
         self.kernel_step = s == 1

@@ -153,6 +153,8 @@ class CalibrationReport:
     layer_stage: LayerStage | None = field(default=None, repr=False)  # reusable by calibrate(layer_stage=)
     #: raq-alloc's allocation of formats to layers: the budget, the held-out KL of every option, the schemes
     allocation: dict | None = None
+    #: whether transforms were fused into the weights (``rtn``, and a codec method that fused none: ``False``)
+    weights_changed: bool = False
 
     def to_dict(self) -> dict:
         d = {"config": asdict(self.config), "data_sha256": self.data_sha256, "layers": self.layers}
@@ -196,6 +198,7 @@ def calibrate_model(
         for idx, attn in modules:
             if idx in fused:
                 fuse_content(adapter, attn, fused[idx])
+        report.weights_changed = bool(fused)
         what = "content rotations fused into the weights" if fused else "the weights are left untouched"
         logger.info("method %s: %s; the cache codec is %r", cfg.method, what, report.codec.name)
         return model, report
@@ -226,6 +229,7 @@ def calibrate_model(
             fuse_content(adapter, attn, chosen[idx][0])
         if "rope" in cfg.paths:
             fuse_rope(adapter, attn, chosen[idx][1], model.config)
+    report.weights_changed = bool(cfg.paths)
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     if cfg.method == "quantmla-raq":  # and on the fused model; per layer and path the better held-out fit

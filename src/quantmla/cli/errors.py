@@ -1,14 +1,18 @@
-"""User mistakes on the command line: one line on stderr, exit code 2, no traceback.
+"""User mistakes on the command line: one line on stderr, exit code 2, no traceback; and internal errors: a
+traceback, labelled a bug, exit code 1.
 
-Every command runs its checks and its work inside :func:`user_errors`: a ``ValueError`` (the
-library's way of saying "bad input", with the bad value and the valid ones) becomes one line;
-any other exception is a bug and propagates with its traceback.
+Every command checks all its inputs inside :func:`user_errors` before it reads a weight: a ``ValueError`` (the
+library's way of saying "bad input", with the bad value and the valid ones) becomes one line. The work itself
+runs inside :func:`internal_errors`: by then every input was checked, so an exception there is a bug.
 """
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -35,6 +39,42 @@ def user_errors() -> Iterator[None]:
         yield
     except ValueError as e:
         fail(str(e))
+
+
+#: exit code of an internal error (a bug)
+INTERNAL_ERROR = 1
+
+
+@contextmanager
+def internal_errors(command: str) -> Iterator[None]:
+    """Within the block (the work, after every input was checked), an exception is a bug: its traceback, then one
+    line saying so, exit code 1. ``typer.Exit`` and ``KeyboardInterrupt`` pass through."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 (everything else is a bug, reported as one)
+        traceback.print_exc()
+        typer.echo(
+            f"quantmla {command}: internal error, a bug ({type(e).__name__}: {one_line(str(e))}); every input was"
+            " checked before the work began: please report it with the traceback above",
+            err=True,
+        )
+        raise typer.Exit(INTERNAL_ERROR) from None
+
+
+def check_out(out: Path, overwrite: bool = False, option: str = "--out") -> None:
+    """That ``out`` can take a command's output directory: not a file, writable, and empty (or ``overwrite``)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {out} is a file; give a directory (a new or an empty one)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{option} {out} is not empty; give a new or an empty directory, or --overwrite")
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {out}: {existing} is not writable")
 
 
 def parse_layers(text: str | None, num_layers: int) -> list[int] | None:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from quantmla.cli.errors import user_errors
+from quantmla.cli.errors import check_out, internal_errors, user_errors
 from quantmla.formats.codec import scheme_name
 from quantmla.models.loading import DEFAULT_MODEL
 
@@ -144,7 +144,16 @@ def ppl(
 ) -> None:
     """Perplexity with the cache as decode sees it (sinks and the last `recent` tokens unquantised)."""
     from quantmla.eval.ppl import PerplexityConfig, cache_config, perplexity
-    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
+    from quantmla.measure import tokens
+    from quantmla.models.loading import (
+        dtype_name,
+        inspect_model,
+        load,
+        load_text,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+    )
 
     with user_errors():  # everything but the forwards is checked before a weight is read
         dev = resolve_device(device)
@@ -170,6 +179,8 @@ def ppl(
         for c in cfgs:
             cache_config(src.config, c)
         body = load_text(text, dataset, split, column)
+        tokens.select_windows(tokens.all_windows(load_tokenizer(src), body, seq_len), n, subset)  # enough text
+    with internal_errors("eval ppl"):
         m, tok = load(src, dtype=torch_dtype, device=dev)
         results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]
     if as_json:
@@ -219,8 +230,16 @@ def niah(
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
-    from quantmla.eval.niah import NiahConfig, accuracy, heatmap, run_niah
-    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
+    from quantmla.eval.niah import NiahConfig, accuracy, examples, heatmap, run_niah
+    from quantmla.models.loading import (
+        dtype_name,
+        inspect_model,
+        load,
+        load_text,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+    )
 
     with user_errors():
         dev = resolve_device(device)
@@ -236,17 +255,22 @@ def niah(
         limit = getattr(src.config, "max_position_embeddings", None)
         if limit is not None and max(cfg.lengths) > limit:
             raise ValueError(f"--lengths up to {max(cfg.lengths)} exceed the model's max_position_embeddings={limit}")
+        if out is not None:
+            check_out(out, overwrite=True)  # niah.json and the heat maps are replaced
         body = load_text(text, None, "test", "text")
+        exs = examples(load_tokenizer(src), body, cfg)  # every prompt fits its length
+    with internal_errors("eval niah"):
         m, tok = load(src, dtype=torch_dtype, device=dev)
-        rows = run_niah(m, tok, body, list(cs.schemes), cfg, progress=not as_json)
+        rows = run_niah(m, tok, body, list(cs.schemes), cfg, progress=not as_json, exs=exs)
     result = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "config": cfg.__dict__,
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "niah.json").write_text(json.dumps(result, indent=1))
-        for s in names:
-            heatmap(rows, s, out / f"niah-{s}.png")
+        with internal_errors("eval niah"):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "niah.json").write_text(json.dumps(result, indent=1))
+            for s in names:
+                heatmap(rows, s, out / f"niah-{s}.png")
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -291,7 +315,7 @@ def lm_eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """lm-eval tasks (``HFLM``) with the quantised cache: log-likelihoods and generations both read it."""
-    from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval
+    from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval, task_manager
     from quantmla.models.loading import dtype_name, inspect_model, load, resolve_device, resolve_dtype
 
     with user_errors():
@@ -307,13 +331,15 @@ def lm_eval_cmd(
         if limit is not None and (limit <= 0 or (limit >= 1 and limit != int(limit))):
             raise ValueError(f"--limit {limit}: a count (integer >= 1) or a fraction in (0, 1)")
         caches = [LmEvalCache(scheme=s, group_size=cs.group_size, sink=cs.sink, recent=cs.recent) for s in cs.schemes]
+        manager = task_manager(task_names, str(include_path) if include_path else None)  # the tasks exist
+    with internal_errors("eval lm-eval"):
         m, tok = load(src, dtype=torch_dtype, device=dev)
         runs = {}
         for c in caches:
             lm = lm_eval_model(m, tok, c, batch_size=batch_size)
             lim = None if limit is None else (int(limit) if limit >= 1 else limit)
-            runs[scheme_name(c.scheme)] = run_lm_eval(lm, task_names, str(include_path) if include_path else None, lim,
-                                         num_fewshot, seed)  # fmt: skip
+            runs[scheme_name(c.scheme)] = run_lm_eval(lm, task_names, manager=manager, limit=lim,
+                                                      num_fewshot=num_fewshot, seed=seed)  # fmt: skip
     caches_json = [c.__dict__ | {"scheme": scheme_name(c.scheme)} for c in caches]
     out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "limit": limit,
            "caches": caches_json, "runs": runs}  # fmt: skip

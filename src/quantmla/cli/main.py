@@ -10,7 +10,7 @@ from rich.console import Console
 
 from quantmla import __version__
 from quantmla.cli import eval_cmd
-from quantmla.cli.errors import check_cache, parse_layers, user_errors
+from quantmla.cli.errors import check_cache, check_out, internal_errors, parse_layers, user_errors
 from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DTYPE_HELP
 
 app = typer.Typer(
@@ -68,6 +68,7 @@ def demo(
             dtype=dtype,
         )
         check(cfg)
+    with internal_errors("demo"):
         render(cfg, Console())
 
 
@@ -98,7 +99,15 @@ def analyze(
     from quantmla.analysis import analyze as run_analysis
     from quantmla.analysis.report import table, write
     from quantmla.measure.tokens import token_windows
-    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
+    from quantmla.models.loading import (
+        dtype_name,
+        inspect_model,
+        load,
+        load_text,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+    )
 
     shapes = {"both": ("gaussian", "quant"), "gaussian": ("gaussian",), "quant": ("quant",)}
     with user_errors():  # everything but the forwards is checked before a weight is read
@@ -113,15 +122,19 @@ def analyze(
         idx = parse_layers(layers, src.num_cache_layers)
         if "quant" in cfg.shapes:
             check_cache(src, cfg.quantizer, cfg.group_size)
+        if out is not None:
+            check_out(out, overwrite=True)  # its three files are replaced
         body = load_text(text, dataset, split)
-        m, tok = load(src, dtype=torch_dtype, device=dev)
-        windows = token_windows(tok, body, seq_len, num_seqs)
+        windows = token_windows(load_tokenizer(src), body, seq_len, num_seqs)
+    with internal_errors("analyze"):
+        m, _ = load(src, dtype=torch_dtype, device=dev)
         report = run_analysis(m, windows, cfg, layers=idx, progress=True)
     title = (
         f"{model} in {dtype_name(torch_dtype)} on {dev}: responses at cache NMSE {nmse} ({num_seqs} x {seq_len} tokens)"
     )
     if out is not None:
-        write(report, out, title)
+        with internal_errors("analyze"):
+            write(report, out, title)
     if as_json:
         typer.echo(json.dumps({"model_name": model} | report.to_dict(), indent=2))
         return
@@ -133,7 +146,8 @@ def analyze(
 @app.command()
 def calibrate(
     model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
-    out: Path = typer.Option(..., "--out", help="Directory for the fused model and quantmla.json."),
+    out: Path = typer.Option(..., "--out", help="Directory for the fused model and quantmla.json (new, or empty)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Write into --out even if it holds files."),
     scheme: str = typer.Option("c4r4", help="Cache scheme to calibrate for (c4r4, c2r4, ...)."),
     method: str = typer.Option(
         "quantmla",
@@ -177,10 +191,20 @@ def calibrate(
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
 ) -> None:
     """Learn (or set) fusable per-path transforms, fuse them into the weights, export a model directory."""
+    import torch
     from rich.table import Table
 
     from quantmla.calibrate import CalibrationConfig, calibrate_model, export
-    from quantmla.models.loading import dtype_name, inspect_model, load, load_text, resolve_device, resolve_dtype
+    from quantmla.calibrate.api import calibration_windows
+    from quantmla.models.loading import (
+        dtype_name,
+        inspect_model,
+        load,
+        load_text,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+    )
 
     if no_sink_recent:
         sink, recent = 0, 0
@@ -189,15 +213,18 @@ def calibrate(
         batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps, model_lr=model_lr,
         model_objective=model_objective, model_seq_len=model_seq_len, rope_fit_seq_len=rope_fit_seq_len,
     )  # fmt: skip
-    with user_errors():  # everything but the calibration itself is checked before a weight is read
+    with user_errors():  # every input is checked before a weight is read
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         cfg = CalibrationConfig(**kwargs)
+        check_out(out, overwrite)
         src = inspect_model(model)
         check_cache(src, cfg.scheme, cfg.group_size)
         body = load_text(text, dataset, split)
+        train_w, val_w, _ = calibration_windows(load_tokenizer(src), body, cfg)  # enough text for the windows
+    with internal_errors("calibrate"):
         m, tok = load(src, dtype=torch_dtype, device=dev)
-        m, report = calibrate_model(m, tok, body, **kwargs)
+        m, report = calibrate_model(m, tok, torch.cat([train_w, val_w]), **kwargs)
         export(m, tok, out, report)
     t = Table(
         title=f"{method} {scheme} ({dtype_name(torch_dtype)} on {dev}): held-out error per layer (before -> after)"
@@ -215,7 +242,8 @@ def calibrate(
             + f"; start {ml['init']} -> {ml['val_after']:.3e} at step {ml['best_step']}"
         )
     if report.codec is not None:
-        Console().print(f"{method}: weights unchanged; the per-layer cache codec is {out}/quantmla_codec.safetensors")
+        weights = "transforms fused into the weights" if report.weights_changed else "weights unchanged"
+        Console().print(f"{method}: {weights}; the per-layer cache codec is {out}/quantmla_codec.safetensors")
     Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
 
 

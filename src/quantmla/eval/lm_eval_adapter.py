@@ -67,10 +67,9 @@ def lm_eval_model(model, tokenizer, cache: LmEvalCache, batch_size: int = 1, max
                       device=str(next(model.parameters()).device))  # fmt: skip
 
 
-def run_lm_eval(lm, tasks: list[str], include_path: str | None = None, limit: float | None = None,
-                num_fewshot: int | None = None, seed: int = 0) -> dict:  # fmt: skip
-    """``lm_eval.simple_evaluate`` over ``lm``; ``include_path`` adds a folder of local task YAMLs (no hub)."""
-    import lm_eval
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """lm-eval's ``TaskManager`` (``include_path``: a folder of local task YAMLs, no hub) once every one of ``tasks``
+    is known to it; a ``ValueError`` naming the unknown ones otherwise."""
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
@@ -78,6 +77,16 @@ def run_lm_eval(lm, tasks: list[str], include_path: str | None = None, limit: fl
     if unknown:
         where = f" (with {include_path})" if include_path else ""
         raise ValueError(f"lm-eval tasks {unknown} not found{where}; add --include-path DIR for local task files")
+    return manager
+
+
+def run_lm_eval(lm, tasks: list[str], include_path: str | None = None, limit: float | None = None,
+                num_fewshot: int | None = None, seed: int = 0, manager=None) -> dict:  # fmt: skip
+    """``lm_eval.simple_evaluate`` over ``lm``; ``include_path`` adds a folder of local task YAMLs (no hub);
+    ``manager``: a :func:`task_manager` already checked."""
+    import lm_eval
+
+    manager = manager if manager is not None else task_manager(tasks, include_path)
     out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                                   random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                   fewshot_random_seed=seed, bootstrap_iters=1000, log_samples=False)  # fmt: skip

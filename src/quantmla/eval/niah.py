@@ -173,11 +173,18 @@ class NiahRow:
 
 
 def run_niah(
-    model, tokenizer, corpus: str, schemes: list[str | ModelCodec], cfg: NiahConfig, progress: bool = True
+    model,
+    tokenizer,
+    corpus: str,
+    schemes: list[str | ModelCodec],
+    cfg: NiahConfig,
+    progress: bool = True,
+    exs: list[Example] | None = None,
 ) -> list[NiahRow]:
-    """Every example under every scheme; one row each. Latent attention is enabled on ``model`` (in place), so
-    on CUDA in BF16 the answers decode through the fused kernel, as a deployment would (:func:`answer`)."""
-    exs = examples(tokenizer, corpus, cfg)
+    """Every example under every scheme; one row each (``exs``: :func:`examples` made already). Latent attention is
+    enabled on ``model`` (in place), so on CUDA in BF16 the answers decode through the fused kernel, as a deployment
+    would (:func:`answer`)."""
+    exs = examples(tokenizer, corpus, cfg) if exs is None else exs
     dev = next(model.parameters()).device
     rows = []
     with tqdm(total=len(exs) * len(schemes), desc="NIAH", unit="example", disable=not progress) as bar:

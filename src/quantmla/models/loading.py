@@ -236,11 +236,16 @@ def load(
         src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
     ).to(dev)
     model.quantmla_meta = src.meta  # the exported cache scheme, if the directory has one
+    return model.eval(), load_tokenizer(src)
+
+
+def load_tokenizer(name_or_path: str | Path | ModelSource = DEFAULT_MODEL):
+    """The model directory's tokenizer alone (no weights read): a ``ValueError`` if it has none usable."""
+    src = inspect_model(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src.path)
+        return AutoTokenizer.from_pretrained(src.path)
     except (OSError, ValueError) as e:
         raise ValueError(f"{src.path} holds no usable tokenizer ({type(e).__name__}: {e})") from None
-    return model.eval(), tokenizer
 
 
 def builtin_text(split: str = "test") -> str:

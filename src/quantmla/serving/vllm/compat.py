@@ -1,4 +1,4 @@
-"""The vLLM versions and platforms the plugin supports, and one clear error for the others."""
+"""The vLLM versions, platforms and GPUs the plugin supports, and one clear error for the others."""
 
 from __future__ import annotations
 
@@ -6,27 +6,43 @@ import logging
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 
-#: (vLLM major.minor, platform) pairs the plugin is built and tested against (CUDA: sm_90, FLASH_ATTN_MLA)
+#: (vLLM major.minor, platform) pairs the plugin is built and tested against (CUDA: FLASH_ATTN_MLA)
 SUPPORTED = (("0.32", "cpu"), ("0.26", "cuda"))
+#: the CUDA compute capability its kernels are built and tested for (Hopper)
+CUDA_CAPABILITY = (9, 0)
 
 
 def _describe() -> str:
     return ", ".join(f"vLLM {v} on {p}" for v, p in SUPPORTED)
 
 
+def unsupported(version: str, platform: str, capability: tuple[int, int] | None) -> str | None:
+    """Why this vLLM, platform and GPU cannot run the plugin, or ``None`` when they can."""
+    short = ".".join(version.split(".")[:2])
+    if (short, platform) not in SUPPORTED:
+        return f"quantmla's vLLM plugin supports {_describe()}; this is vLLM {version} on {platform}"
+    if platform == "cuda" and capability is not None and tuple(capability) != CUDA_CAPABILITY:
+        want = "sm_{}{}".format(*CUDA_CAPABILITY)
+        return (f"quantmla's vLLM plugin runs on {want} (Hopper) GPUs; this GPU is sm_{capability[0]}{capability[1]}:"
+                " serve without quantmla's scheme, or on an H100/H200")  # fmt: skip
+    return None
+
+
 def check_supported(asked: bool) -> str | None:
-    """The platform name if this vLLM is supported; otherwise ``None`` (plugin not asked for: vLLM runs as
-    without it) or a ``RuntimeError`` naming the supported versions (asked for)."""
+    """The platform name if this vLLM, platform and GPU are supported; otherwise ``None`` (the plugin not asked
+    for: vLLM runs as without it) or a ``RuntimeError`` saying what is supported (asked for)."""
     import vllm
     from vllm.platforms import current_platform
 
-    version = ".".join(vllm.__version__.split(".")[:2])
     platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
-    if (version, platform) in SUPPORTED:
+    capability = None
+    if platform == "cuda":
+        cap = current_platform.get_device_capability()
+        capability = None if cap is None else (cap.major, cap.minor) if hasattr(cap, "major") else tuple(cap)
+    why = unsupported(vllm.__version__, platform, capability)
+    if why is None:
         return platform
-    msg = f"quantmla's vLLM plugin supports {_describe()}; this is vLLM {vllm.__version__} on {platform}"
     if asked:
-        raise RuntimeError(msg)
-    # additional_config and quantmla.json are not visible yet when plugins load: say once that they would be ignored
-    logger.warning("%s: the plugin stays inactive (an additional_config['quantmla'] or quantmla.json is ignored)", msg)
+        raise RuntimeError(why)
+    logger.warning("%s: the plugin stays inactive", why)
     return None

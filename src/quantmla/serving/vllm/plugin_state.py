@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from quantmla.formats.records import RecordLayout
-from quantmla.serving.vllm.selection import Selection, select
+from quantmla.serving.vllm.selection import Selection, check_engine, select
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 _RESOLVED: dict[int, Selection | None] = {}
@@ -34,6 +34,8 @@ def current_selection() -> Selection | None:
         return _RESOLVED[key]
     model = getattr(getattr(cfg, "model_config", None), "model", None)
     sel = select(getattr(cfg, "additional_config", None), model)
+    if sel is not None and cfg is not None:
+        check_engine(sel, cfg)
     if cfg is None and sel is None and _RESOLVED:  # no config in scope: what the engine resolved before
         return next(reversed(_RESOLVED.values()))
     _RESOLVED[key] = sel

@@ -15,11 +15,13 @@ windows (``sink`` first and ``recent`` last tokens of each request read unquanti
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantmla.formats.export import META_FILE, read_meta
+from quantmla.formats.export import CODEC_FILE, META_FILE, read_meta
 
 ENV_SCHEME, ENV_GROUP, ENV_WINDOWS = "QUANTMLA_SCHEME", "QUANTMLA_GROUP_SIZE", "QUANTMLA_WINDOWS"
 #: the schemes the plugin serves (records of :class:`~quantmla.formats.records.RecordLayout`, tested end to end)
@@ -73,6 +75,7 @@ def select(additional_config: dict | None, model_path: str | None, environ=None)
     if model_path and Path(model_path).is_dir() and (Path(model_path) / META_FILE).is_file():
         meta = read_meta(Path(model_path))
         where = str(Path(model_path) / META_FILE)
+        check_export(meta, Path(model_path))
         found.append(Selection(meta["scheme"], int(meta["group_size"]), where, (meta["sink"], meta["recent"])))
     if not found:
         return None
@@ -92,3 +95,95 @@ def select(additional_config: dict | None, model_path: str | None, environ=None)
             )
     windows = given[0].windows if given else DEFAULT_WINDOWS
     return Selection(first.scheme, first.group_size, first.source, windows)
+
+
+def engine_settings(frame=None, depth: int = 16) -> tuple[dict | None, str | None] | None:
+    """``(additional_config, model path)`` of the engine whose start is loading vLLM's plugins, read from the
+    calling frames (vLLM hands a general plugin nothing): ``EngineArgs.__post_init__`` (its ``self``, in the
+    process that builds the config), or ``EngineCore.__init__`` / a worker's ``init_worker`` (a local
+    ``vllm_config``, in the engine and worker processes). ``None`` when no such frame is found (e.g. ``vllm
+    serve`` loads its plugins before it parses the arguments)."""
+    f = frame if frame is not None else sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return None
+        local = f.f_locals
+        cfg = local.get("vllm_config")
+        if cfg is not None and hasattr(cfg, "model_config") and hasattr(cfg, "additional_config"):
+            return cfg.additional_config, getattr(cfg.model_config, "model", None)
+        args = local.get("self")
+        if type(args).__name__.endswith("EngineArgs") and hasattr(args, "additional_config"):
+            extra = args.additional_config
+            if isinstance(extra, str):  # a JSON string not parsed yet
+                extra = json.loads(extra) if extra.strip() else None
+            return extra, getattr(args, "model", None)
+        f = f.f_back
+    return None
+
+
+def selection_at_load(environ=None, frame=None) -> Selection | None:
+    """What the engine being started asks of quantmla, as far as it is known when vLLM loads its plugins: the
+    environment, and the engine's ``additional_config`` and model directory where a calling frame holds them
+    (:func:`engine_settings`). ``None``: nothing asks for quantmla, so the plugin installs nothing."""
+    found = engine_settings(frame if frame is not None else sys._getframe(1))
+    extra, model = found if found is not None else (None, None)
+    return select(extra, model, environ)
+
+
+#: the model types whose transformers cache (``QuantizedLatentCache``, the calibration, the evaluation) holds the
+#: RoPE key in vLLM's channel order (interleaved pairs, vLLM's ``is_neox_style=False``); the others cache it
+#: rotate-half (:meth:`quantmla.models.adapter.MLAAdapter.rope_layout`)
+ROPE_ORDER_AS_VLLM = ("deepseek_v2",)
+
+
+def check_export(meta: dict, directory: Path) -> None:
+    """Refuse an export whose calibration the plugin would not serve: a per-layer cache codec (write-side
+    transforms, learned ranges, per-layer formats) would be dropped, the cache served as plain RTN."""
+    codec = meta.get("layer_schemes") is not None or (directory / CODEC_FILE).exists()
+    if codec:
+        raise ValueError(
+            f"quantmla: {directory / META_FILE} is a --method {meta['method']} export with a per-layer cache codec"
+            f" ({CODEC_FILE}: write-side transforms, learned ranges or per-layer formats), which the vLLM plugin"
+            " does not serve; served as plain RTN it would lose its calibration. Serve a --method quantmla (or rtn,"
+            " smoothquant, quarot) export, or evaluate this one with `quantmla eval`"
+        )
+
+
+def check_engine(sel: Selection, vllm_config) -> None:
+    """Refuse, at engine start, every setting the plugin does not serve exactly (one line naming the setting and
+    what is supported). ``vllm_config``: vLLM's config (read by attribute)."""
+    par = getattr(vllm_config, "parallel_config", None)
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(par, name, 1) or 1)
+        if size > 1:
+            raise ValueError(
+                f"quantmla: {name}={size}: context parallelism reads the cache through vLLM's own gather, which"
+                " cannot read quantmla's records; supported: 1"
+            )
+    cache = getattr(vllm_config, "cache_config", None)
+    if getattr(cache, "kv_offloading_size", None) is not None:
+        raise ValueError(
+            f"quantmla: kv_offloading_size={cache.kv_offloading_size}: KV offloading reloads blocks into reused"
+            " slots beside quantmla's window shadows; serve without KV offloading"
+        )
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ValueError(
+            "quantmla: kv_transfer_config is set (a KV connector: offloading, prefill/decode disaggregation): blocks"
+            " loaded into reused slots would be read beside stale window shadows; serve without a KV connector"
+        )
+    dtype = getattr(cache, "cache_dtype", "auto")
+    if str(dtype) != "auto":
+        raise ValueError(
+            f"quantmla: kv_cache_dtype={dtype} with quantmla scheme {sel.scheme}: quantmla stores its own format;"
+            " leave kv_cache_dtype='auto' (for vLLM's own FP8 cache, serve without quantmla)"
+        )
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    model_type = getattr(hf, "model_type", None)
+    rope_dim = int(getattr(hf, "qk_rope_head_dim", 64) or 64)
+    if model_type is not None and model_type not in ROPE_ORDER_AS_VLLM and sel.group_size < rope_dim:
+        raise ValueError(
+            f"quantmla: group_size={sel.group_size} splits the RoPE key ({rope_dim} channels) into groups, and vLLM"
+            f" caches {model_type}'s RoPE key in another channel order (interleaved pairs) than quantmla's"
+            f" calibration and evaluation (rotate-half): its groups would hold other channels; use group_size >="
+            f" {rope_dim} for {model_type}"
+        )
