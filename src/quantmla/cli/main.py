@@ -243,7 +243,7 @@ def calibrate(
         )
     if report.codec is not None:
         weights = "transforms fused into the weights" if report.weights_changed else "weights unchanged"
-        Console().print(f"{method}: {weights}; the per-layer cache codec is {out}/quantmla_codec.safetensors")
+        Console().print(f"{method}: {weights}; the per-layer cache codec is {out}/quantmla/codec.safetensors")
     Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
 
 

@@ -3,7 +3,8 @@
 One home for the file's name, version, the calibration method names and its reader and writer, so
 that :mod:`quantmla.models.loading` (reads) and :mod:`quantmla.calibrate` (writes) share it without
 importing each other. It depends on :mod:`quantmla.quant` only (a
-method's per-layer codec is written next to the weights, ``quantmla_codec.safetensors``).
+method's per-layer codec is written beside the weights, in ``quantmla/codec.safetensors``: a folder of its own, since
+vLLM loads every ``*.safetensors`` file of a model directory as weights).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.formats.scheme import parse_scheme
 
 META_FILE = "quantmla.json"
-CODEC_FILE = "quantmla_codec.safetensors"
+CODEC_FILE = "quantmla/codec.safetensors"
+#: where exports of earlier versions kept the codec (read still; vLLM would load it as weights)
+LEGACY_CODEC_FILE = "quantmla_codec.safetensors"
 META_FORMAT = 1
 METHODS = ("rtn", "smoothquant", "quarot", "quantmla", "raq", "blockgtq", "rolaq", "quantmla-raq", "raq-alloc")
 _CODEC_FIELDS = ("transform", "clip_ratio", "gain")
@@ -81,7 +84,7 @@ def write_meta(directory: str | Path, meta: dict) -> Path:
 
 
 def write_codec(directory: str | Path, codec: ModelCodec) -> tuple[Path, list[str]]:
-    """Write the fitted tensors of ``codec`` as ``directory/quantmla_codec.safetensors``; returns the file and
+    """Write the fitted tensors of ``codec`` as ``directory/quantmla/codec.safetensors``; returns the file and
     each layer's scheme name (for ``quantmla.json``'s ``layer_schemes``)."""
     from safetensors.torch import save_file
 
@@ -94,6 +97,7 @@ def write_codec(directory: str | Path, codec: ModelCodec) -> tuple[Path, list[st
                 if t is not None:
                     tensors[f"layers.{i}.{path}.{name}"] = t.detach().double().cpu().contiguous()
     f = Path(directory) / CODEC_FILE
+    f.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(f))
     return f, [lc.scheme.name for lc in codec.layers]
 
@@ -106,6 +110,8 @@ def read_codec(directory: str | Path, meta: dict) -> ModelCodec | None:
     from safetensors.torch import load_file
 
     f = Path(directory) / CODEC_FILE
+    if not f.exists() and (Path(directory) / LEGACY_CODEC_FILE).exists():
+        f = Path(directory) / LEGACY_CODEC_FILE
     if not f.exists():
         raise ValueError(f"{Path(directory) / META_FILE} names per-layer schemes but {f} is missing; re-export")
     tensors = load_file(str(f))

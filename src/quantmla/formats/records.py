@@ -45,6 +45,8 @@ class RecordLayout:
     kv_lora_rank: int = 512
     rope_dim: int = 64
     group_size: int = 64
+    #: pad each record to this many bytes (an engine whose layers must share one page size; ``None``: none)
+    pad_to: int | None = None
     fields: dict = field(init=False, compare=False, repr=False)
     #: bytes of one record (the fields, with any alignment padding)
     record_bytes: int = field(init=False, compare=False, repr=False)
@@ -66,7 +68,12 @@ class RecordLayout:
             fields[name] = (off, n)
             off += n
         object.__setattr__(self, "fields", fields)
-        object.__setattr__(self, "record_bytes", -(-off // ALIGN) * ALIGN)
+        size = -(-off // ALIGN) * ALIGN
+        if self.pad_to is not None:
+            if self.pad_to < size or self.pad_to % ALIGN:
+                raise ValueError(f"pad_to={self.pad_to}: a multiple of {ALIGN} of at least {size} bytes ({s.name})")
+            size = self.pad_to
+        object.__setattr__(self, "record_bytes", size)
 
     @property
     def single(self) -> bool:
@@ -80,7 +87,7 @@ class RecordLayout:
 
     @property
     def dense(self) -> bool:
-        """Whether the fields are back to back with no padding (every scheme vLLM serves)."""
+        """Whether the fields are back to back with no padding (the plain schemes, unpadded)."""
         return sum(n for _, n in self.fields.values()) == self.record_bytes
 
     def view(self, records: torch.Tensor, name: str) -> torch.Tensor:
@@ -88,11 +95,13 @@ class RecordLayout:
         off, n = self.fields[name]
         return records[..., off : off + n]
 
-    def encode(self, c: torch.Tensor, r: torch.Tensor, check: bool = False) -> list[torch.Tensor]:
-        """Each field's bytes ``[N, nbytes]`` (uint8, in field order) of tokens ``c [N, d_c]``, ``r [N, d_r]``."""
+    def encode(self, c: torch.Tensor, r: torch.Tensor, check: bool = False, ranges=None) -> list[torch.Tensor]:
+        """Each field's bytes ``[N, nbytes]`` (uint8, in field order) of tokens ``c [N, d_c]``, ``r [N, d_r]``.
+        ``ranges``: learned ranges per path, ``(content, rope)``, each ``(clip_ratio, gain)`` or ``None``."""
         if self.single:
             return [as_bytes(torch.cat([c, r], dim=-1).to(torch.bfloat16))]
-        return self.paths[0].encode(c, check) + self.paths[1].encode(r, check)
+        rc, rr = ranges if ranges is not None else (None, None)
+        return self.paths[0].encode(c, check, rc) + self.paths[1].encode(r, check, rr)
 
     def pack(self, c: torch.Tensor, r: torch.Tensor, check: bool = False) -> torch.Tensor:
         """Records ``[N, record_bytes]`` (uint8) of tokens ``c [N, d_c]``, ``r [N, d_r]``."""
@@ -115,14 +124,15 @@ class RecordLayout:
         return pages.flatten(-2)[..., bs * off : bs * (off + n)].unflatten(-1, (bs, n))
 
     def write_pages(
-        self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor, check: bool = False
-    ) -> None:
+        self, pages: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, r: torch.Tensor, check: bool = False,
+        ranges=None,
+    ) -> None:  # fmt: skip
         """Store tokens ``c [N, d_c]``, ``r [N, d_r]`` at flat ``slots`` (``block * block_size + offset``)
         of field-major ``pages [num_blocks, block_size, record_bytes]``, quantised once. ``check``: reject
-        values the format cannot hold (a GPU sync)."""
+        values the format cannot hold (a GPU sync); ``ranges``: learned ranges (:meth:`encode`)."""
         bs = pages.shape[1]
         blk, off = slots // bs, slots % bs
-        for name, part in zip(self.fields, self.encode(c, r, check), strict=True):
+        for name, part in zip(self.fields, self.encode(c, r, check, ranges), strict=True):
             self.page_view(pages, name)[blk, off] = part
 
     def read_pages(self, pages: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ import logging
 
 import torch
 
-from quantmla.formats.packing import CONTENT_PLANES, ROPE_PLANES
 from quantmla.formats.records import RecordLayout
 
 #: tokens (over all requests of a group) decoded at once: ~9 MB of float32 tile at 512 + 64
@@ -55,10 +54,10 @@ class _Path:
     """How one cached path (content ``c`` or RoPE key ``r``) of a record decodes."""
 
     def __init__(self, layout: RecordLayout, path: str, dim: int) -> None:
-        fmt = getattr(layout.cache_scheme, "content" if path == "c" else "rope")
-        self.name, self.dim, self.bits, self.group = path, dim, fmt.bits, layout.group_size
-        self.planar = fmt.kind == "int" and fmt.bits in (2, 4)
-        self.planes = (CONTENT_PLANES if path == "c" else ROPE_PLANES) if self.planar else 1
+        lay = layout.paths[0 if path == "c" else 1]  # the path's stored fields: format, group, planes
+        self.name, self.dim, self.bits, self.group = path, dim, lay.fmt.bits, lay.group_size
+        self.planar = lay.planar
+        self.planes = lay.planes if self.planar else 1
 
     def decode_into(self, layout: RecordLayout, pages: torch.Tensor, valid: torch.Tensor, x: torch.Tensor) -> None:
         """Dequantise this path of ``pages [n, pages, block_size, record_bytes]`` (the batch's, gathered)

@@ -11,6 +11,9 @@ spec, same kernels, same results. When it is asked for:
   324 bytes for C4R4 at 512 + 64, stored field-major inside the page), so vLLM sizes its blocks from
   the record;
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots (one quantisation);
+* an export with a per-layer codec (:mod:`quantmla.serving.layer_codecs`) is served with it: each layer writes in
+  its own format through its write-side transforms and learned ranges, and its decode compensates the transforms
+  in the queries and the output; every layer's record is padded to the largest;
 * ``forward_mqa`` (decode) gathers the pages of the batch and attends in torch
   (:func:`~quantmla.serving.paged_decode.paged_decode`);
 * the sink and recent windows of each request are read unquantised from BF16 shadows
@@ -32,7 +35,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.formats.records import RecordLayout
 from quantmla.serving.paged_decode import fused_decode, paged_decode
-from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry
+from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry, served_layers_of
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
@@ -57,6 +60,9 @@ class QuantMLACPUBackend(CPUMLABackend):
         sel = current_selection()
         if sel is None:
             return spec
+        served = served_layers_of(sel)
+        if served is not None:  # a per-layer codec: every layer's record padded to the largest
+            return replace(spec, dtype=torch.uint8, state_content_bytes=served[0].layout.record_bytes)
         d_c, d_r = mla_geometry()
         lay = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
         return replace(spec, dtype=torch.uint8, state_content_bytes=lay.record_bytes)
@@ -70,8 +76,13 @@ class QuantMLACPUImpl(CPUMLAImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         sel = current_selection()
-        self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
-                                                            sel.group_size)  # fmt: skip
+        self.served = None if sel is None else served_layers_of(sel)  # a per-layer codec: its layers
+        self.layer = None  # this layer's ServedLayer, found from its KV cache at the first write
+        if self.served is not None:
+            self.layout = self.served[0].layout  # the padded record (each layer's own once it is known)
+        else:
+            self.layout = None if sel is None else RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim,
+                                                                sel.group_size)  # fmt: skip
         self.windows = None if self.layout is None else LayerWindows.for_layer(sel, self.layout)
         if self.layout is not None and self.layout.scheme != "bf16":  # bf16 records: vLLM's own CPU kernel
             # which decode runs (the fused C++ one is built here, at engine start, on first use)
@@ -88,7 +99,12 @@ class QuantMLACPUImpl(CPUMLAImpl):
         c, r = kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)
         if not bool(valid.all()):
             slots, c, r = slots[valid], c[valid], r[valid]
-        self.layout.write_pages(kv_cache, slots, c, r)
+        ranges = None
+        if self.served is not None:  # this layer's codec: its format, transforms and ranges
+            layer = self._served_layer(kv_cache)
+            c, r = layer.stored_space(c, r)
+            ranges = layer.ranges
+        self.layout.write_pages(kv_cache, slots, c, r, ranges=ranges)
         if self.windows is not None:
             self.windows.write(kv_cache, slots, c, r)
         return None
@@ -105,15 +121,29 @@ class QuantMLACPUImpl(CPUMLAImpl):
         step = getattr(attn_metadata, "windows", None)
         if self.windows is not None and step is None:
             raise RuntimeError("quantmla windows: a decode step without a window plan (metadata not from our builder)")
+        layer = None if self.served is None else self._served_layer(kv_c_and_k_pe_cache)
+        dtype = q_nope.dtype
+        if layer is not None:  # the queries in the layer's stored space
+            q_nope, q_pe = layer.queries(q_nope, q_pe)
         if self.windows is None:
             out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens,
                                self.scale)  # fmt: skip
-            return out, None
-        win, win_len, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
-                                                                   dec.seq_lens)  # fmt: skip
-        out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
-                           window=win, window_len=win_len, paged_start=start)  # fmt: skip
-        return out, None
+        else:
+            win, win_len, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
+                                                                       dec.seq_lens)  # fmt: skip
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
+                               window=win, window_len=win_len, paged_start=start)  # fmt: skip
+        return (out if layer is None else layer.output(out)).to(dtype), None
+
+    def _served_layer(self, kv_cache: torch.Tensor):
+        """This layer's :class:`~quantmla.serving.layer_codecs.ServedLayer`: the engine's layer whose KV cache is
+        ``kv_cache`` names its cache index (found once)."""
+        if self.layer is None:
+            self.layer = self.served[cache_index_of(kv_cache)]
+            self.layout = self.layer.layout
+            if self.windows is not None:
+                self.windows.layout = self.layout  # its repairs read this layer's records
+        return self.layer
 
 
 def patch_backend_choice() -> None:
@@ -154,3 +184,21 @@ def patch_backend_choice() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     original_choice = CpuPlatform.get_attn_backend_cls
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def cache_index_of(kv_cache: torch.Tensor) -> int:
+    """The cache index (decoder layer) of the engine's MLA layer whose KV cache tensor is ``kv_cache``, from vLLM's
+    forward context (its layers by name, ``...layers.<i>...``)."""
+    import re
+
+    from vllm.forward_context import get_forward_context
+
+    for name, module in get_forward_context().no_compile_layers.items():
+        kv = getattr(module, "kv_cache", None)
+        kv = kv[0] if isinstance(kv, list | tuple) and kv else kv
+        if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() == kv_cache.data_ptr():
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if m is None:
+                raise RuntimeError(f"quantmla: the MLA layer {name!r} names no decoder layer index")
+            return int(m.group(1))
+    raise RuntimeError("quantmla: no MLA layer of this engine holds this KV cache (a per-layer codec needs its index)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from quantmla.formats.records import RecordLayout
-from quantmla.serving.vllm.selection import Selection, check_engine, select
+from quantmla.formats.scheme import parse_scheme
+from quantmla.serving.vllm.selection import ROPE_ORDER_AS_VLLM, Selection, check_engine, select
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 _RESOLVED: dict[int, Selection | None] = {}
@@ -35,7 +35,9 @@ def current_selection() -> Selection | None:
     model = getattr(getattr(cfg, "model_config", None), "model", None)
     sel = select(getattr(cfg, "additional_config", None), model)
     if sel is not None and cfg is not None:
-        check_engine(sel, cfg)
+        from vllm.platforms import current_platform
+
+        check_engine(sel, cfg, "cpu" if current_platform.is_cpu() else "cuda")
     if cfg is None and sel is None and _RESOLVED:  # no config in scope: what the engine resolved before
         return next(reversed(_RESOLVED.values()))
     _RESOLVED[key] = sel
@@ -44,12 +46,47 @@ def current_selection() -> Selection | None:
             logger.info("quantmla plugin: not asked for (no additional_config['quantmla'], QUANTMLA_SCHEME or"
                         " quantmla.json); vLLM's own MLA backend runs unchanged")  # fmt: skip
         else:
-            quantised = RecordLayout(sel.scheme).cache_scheme.quantized
+            quantised = parse_scheme(sel.scheme).quantized
             sink, recent = sel.windows
             windows = f"sink {sink} + recent {recent} tokens unquantised" if quantised else "none (unquantised)"
             logger.info("quantmla plugin: serving the MLA cache as %s, group %d (from %s); windows: %s", sel.scheme,
                         sel.group_size, sel.source, windows)  # fmt: skip
     return sel
+
+
+_SERVED: dict[str, list] = {}
+
+
+def served_layers_of(sel: Selection) -> list | None:
+    """The per-layer codec of the selected export as the engine serves it (one
+    :class:`~quantmla.serving.layer_codecs.ServedLayer` a cache layer, records padded to the largest), read once and
+    logged; ``None`` for a plain scheme."""
+    if sel.codec_dir is None:
+        return None
+    if sel.codec_dir not in _SERVED:
+        from quantmla.formats.export import read_codec, read_meta
+        from quantmla.serving.layer_codecs import interleaved_to_rotate_half, served_layers
+
+        meta = read_meta(sel.codec_dir)
+        codec = read_codec(sel.codec_dir, meta)
+        hf = getattr(getattr(_config(), "model_config", None), "hf_text_config", None)
+        n_layers = getattr(hf, "num_hidden_layers", None)
+        if n_layers is not None and len(codec.layers) != n_layers:
+            raise ValueError(f"quantmla: the codec of {sel.codec_dir} has {len(codec.layers)} layers; the model has"
+                             f" {n_layers}")  # fmt: skip
+        d_c, d_r = mla_geometry()
+        # vLLM holds the RoPE key in interleaved pairs; where quantmla's cache (the calibration) holds it
+        # rotate-half, the key and its query are put in that order first
+        same = getattr(hf, "model_type", None) in ROPE_ORDER_AS_VLLM
+        order = None if same else interleaved_to_rotate_half(d_r)
+        layers = _SERVED[sel.codec_dir] = served_layers(codec, d_c, d_r, sel.group_size, order)
+        fitted = [i for i, lay in enumerate(layers) if lay.transformed]
+        ranged = [i for i, lay in enumerate(layers) if lay.ranges is not None]
+        formats = sorted({lay.layout.scheme for lay in layers})
+        logger.info("quantmla plugin: serving the per-layer codec of %s (%s): write-side transforms in layers %s,"
+                    " learned ranges in %s, formats %s; records of %d bytes", sel.codec_dir, codec.name, fitted,
+                    ranged, formats, layers[0].layout.record_bytes)  # fmt: skip
+    return _SERVED[sel.codec_dir]
 
 
 def mla_geometry() -> tuple[int, int]:

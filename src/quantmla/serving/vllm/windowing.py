@@ -20,6 +20,7 @@ import torch
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 
 from quantmla.formats.records import RecordLayout
+from quantmla.formats.scheme import parse_scheme
 from quantmla.formats.windows import WindowPolicy
 from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
@@ -33,7 +34,7 @@ logger = logging.getLogger("vllm.quantmla")
 
 def window_config(sel: Selection | None) -> WindowPolicy:
     """The windows the selection asks for (none for an unquantised scheme: every token is BF16 already)."""
-    if sel is None or not RecordLayout(sel.scheme).cache_scheme.quantized or sel.windows is None:
+    if sel is None or not parse_scheme(sel.scheme).quantized or sel.windows is None:
         return WindowPolicy(0, 0)
     return WindowPolicy(*sel.windows)
 
