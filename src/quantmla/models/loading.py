@@ -24,6 +24,7 @@ from quantmla.formats.codec import ModelCodec
 from quantmla.formats.export import META_FILE, read_codec, read_meta
 from quantmla.formats.scheme import parse_scheme
 from quantmla.models.adapter import MLADims, get_adapter
+from quantmla.models.fp8_checkpoint import Fp8Blocks, check_checkpoint, read_state_dict
 from quantmla.quant.affine import check_group
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,8 @@ class ModelSource:
     config: PretrainedConfig
     meta: dict | None  # the directory's quantmla.json, validated (None: it has none)
     codec: ModelCodec | None = None  # a codec method's per-layer codec (raq, blockgtq), read with the metadata
+    #: an FP8 block-quantised checkpoint's blocks (its headers checked), read by quantmla (None: unquantised)
+    fp8: Fp8Blocks | None = None
 
     @property
     def dims(self) -> MLADims:
@@ -194,6 +197,9 @@ def inspect_model(name_or_path: str | Path | ModelSource) -> ModelSource:
     meta = read_meta(path)  # a corrupt quantmla.json fails before any weight is loaded
     config = load_config(path)
     adapter = get_adapter(config)  # fail early, with the list of supported architectures
+    fp8 = Fp8Blocks.of(config)
+    if fp8 is not None:
+        check_checkpoint(path, fp8)  # shards, scales and their grids, from the headers
     if meta is not None:
         dims = adapter.dims(config)
         scheme = parse_scheme(meta["scheme"])
@@ -210,7 +216,7 @@ def inspect_model(name_or_path: str | Path | ModelSource) -> ModelSource:
             codec.check(adapter.num_cache_layers(config), dims.kv_lora_rank, dims.rope_dim, meta["group_size"])
         except ValueError as e:
             raise ValueError(f"{path / META_FILE}: per-layer codec: {e}") from None
-    return ModelSource(path, config, meta, codec)
+    return ModelSource(path, config, meta, codec, fp8)
 
 
 def load(
@@ -226,17 +232,49 @@ def load(
     path, config and ``quantmla.json`` are all checked before any weight is read.
 
     A directory written by ``quantmla calibrate`` carries ``quantmla.json``; it is validated and kept
-    as ``model.quantmla_meta`` (``None`` otherwise), and quantmla commands use its cache scheme.
+    as ``model.quantmla_meta`` (``None`` otherwise), and quantmla commands use its cache scheme. An FP8
+    block-quantised checkpoint (DeepSeek-V3's format) is dequantised to ``dtype`` by quantmla
+    (:mod:`quantmla.models.fp8_checkpoint`).
     """
+    src = inspect_model(name_or_path)
+    model = load_model(src, dtype, device, attn_implementation)
+    return model, load_tokenizer(src)
+
+
+def load_model(
+    name_or_path: str | Path | ModelSource = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+):
+    """The model of :func:`load` alone (no tokenizer)."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     src = inspect_model(name_or_path)
     logger.info("loading %s in %s on %s", src.path, dtype_name(torch_dtype), dev)
-    model = AutoModelForCausalLM.from_pretrained(
-        src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
-    ).to(dev)
+    if src.fp8 is not None:  # FP8 block-quantised: dequantised by quantmla, then the model class's own loader
+        import copy
+
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        logger.info("%s: FP8 blocks of %s dequantised to %s by quantmla", src.path, list(src.fp8.block),
+                    dtype_name(torch_dtype))  # fmt: skip
+        config = copy.deepcopy(src.config)
+        del config.quantization_config
+        state = read_state_dict(src.path, src.fp8, torch_dtype)
+        model = (
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+            .from_pretrained(
+                None, config=config, state_dict=state, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
+            .to(dev)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
+        ).to(dev)
     model.quantmla_meta = src.meta  # the exported cache scheme, if the directory has one
-    return model.eval(), load_tokenizer(src)
+    return model.eval()
 
 
 def load_tokenizer(name_or_path: str | Path | ModelSource = DEFAULT_MODEL):

@@ -1,0 +1,71 @@
+"""A DeepSeek-V3-config FP8 block-quantised checkpoint written by the tests: V3's per-head widths (latent 512, RoPE
+64, nope 128, v 128), a real MoE block, 128 x 128 block scales (partial blocks included: ``kv_a_proj_with_mqa`` has
+576 rows, as in V3), two shards and their index, as DeepSeek ships them (per-expert weights, router and norms and
+embeddings unquantised)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from quantmla.models.fp8_checkpoint import Fp8Blocks, quantize_blocks
+
+QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def v3_fp8_config(layers: int = 3) -> DeepseekV3Config:
+    return DeepseekV3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=192, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+        topk_group=1, first_k_dense_replace=1, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def quantised(name: str, t: torch.Tensor) -> bool:
+    """The weights DeepSeek's FP8 checkpoints store in FP8: every linear layer's but the router's."""
+    return t.dim() == 2 and name.endswith(".weight") and "norm" not in name and "embed" not in name and (
+        "lm_head" not in name) and not name.endswith("mlp.gate.weight")  # fmt: skip
+
+
+def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0) -> Path:
+    """A random V3-config model saved as an FP8 block-quantised checkpoint in ``out`` (two shards)."""
+    torch.manual_seed(seed)
+    cfg = v3_fp8_config(layers)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # weights large enough that attention is far from uniform
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.normal_(0.0, m.in_features**-0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # the checkpoint's own names (per-expert weights)
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(out.glob("*.safetensors")):
+        state |= load_file(str(f))
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    blocks = Fp8Blocks((128, 128))
+    tensors = {}
+    for name, t in state.items():
+        if quantised(name, t):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, blocks)
+        else:
+            tensors[name] = t.to(torch.bfloat16)
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / shard))
+        weight_map |= {n: shard for n in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"] = QUANTIZATION
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    return out
