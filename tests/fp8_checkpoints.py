@@ -1,7 +1,7 @@
 """A DeepSeek-V3-config FP8 block-quantised checkpoint written by the tests: V3's per-head widths (latent 512, RoPE
 64, nope 128, v 128), a real MoE block, 128 x 128 block scales (partial blocks included: ``kv_a_proj_with_mqa`` has
-576 rows, as in V3), two shards and their index, as DeepSeek ships them (per-expert weights, router and norms and
-embeddings unquantised)."""
+576 rows, as in V3), three shards and their index, as DeepSeek ships them (per-expert weights, router and norms and
+embeddings unquantised): the embeddings, output layer and final norm in a shard of their own, the layers in two."""
 
 from __future__ import annotations
 
@@ -32,15 +32,21 @@ def quantised(name: str, t: torch.Tensor) -> bool:
         "lm_head" not in name) and not name.endswith("mlp.gate.weight")  # fmt: skip
 
 
-def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0) -> Path:
-    """A random V3-config model saved as an FP8 block-quantised checkpoint in ``out`` (two shards)."""
+def v3_model(layers: int = 3, seed: int = 0) -> DeepseekV3ForCausalLM:
+    """The random float32 V3-config model the checkpoints hold."""
     torch.manual_seed(seed)
-    cfg = v3_fp8_config(layers)
-    model = DeepseekV3ForCausalLM(cfg).eval()
+    model = DeepseekV3ForCausalLM(v3_fp8_config(layers)).eval()
     with torch.no_grad():  # weights large enough that attention is far from uniform
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.weight.normal_(0.0, m.in_features**-0.5)
+    return model
+
+
+def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0, fp8: bool = True) -> Path:
+    """:func:`v3_model` saved as an FP8 block-quantised checkpoint in ``out`` (``fp8=False``: BF16), three
+    shards."""
+    model = v3_model(layers, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # the checkpoint's own names (per-expert weights)
     from safetensors.torch import load_file
@@ -53,19 +59,22 @@ def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0) -> Path:
     blocks = Fp8Blocks((128, 128))
     tensors = {}
     for name, t in state.items():
-        if quantised(name, t):
+        if fp8 and quantised(name, t):
             tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(t, blocks)
         else:
             tensors[name] = t.to(torch.bfloat16)
-    names = sorted(tensors)
-    half = len(names) // 2
+    outer = sorted(n for n in tensors if ".layers." not in n)
+    inner = sorted(n for n in tensors if ".layers." in n)
+    half = len(inner) // 2
     weight_map = {}
-    for i, part in enumerate((names[:half], names[half:])):
-        shard = f"model-{i + 1:05d}-of-00002.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, str(out / shard))
+    for i, part in enumerate((outer, inner[:half], inner[half:])):
+        shard = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(out / shard), metadata={"format": "pt"})
         weight_map |= {n: shard for n in part}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     raw = json.loads((out / "config.json").read_text())
-    raw["quantization_config"] = QUANTIZATION
+    if fp8:
+        raw["quantization_config"] = QUANTIZATION
+    raw["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     return out

@@ -159,10 +159,11 @@ def test_calibrate_out_is_checked_before_any_weight(no_weights, tmp_path, monkey
 )
 def test_calibrate_says_whether_the_weights_changed(monkeypatch, tmp_path, changed, says):
     import quantmla.calibrate as calibrate
+    import quantmla.calibrate.api as api
 
     report = SimpleNamespace(layers=[], model_level=None, codec=object(), weights_changed=changed)
     monkeypatch.setattr(calibrate, "calibrate_model", lambda m, tok, texts, **kw: (m, report))
-    monkeypatch.setattr(calibrate, "export", lambda *a, **kw: None)
+    monkeypatch.setattr(api, "export_changed", lambda *a, **kw: {"changed": [], "rewritten": [], "linked": []})
     res = runner.invoke(app, ["calibrate", "--out", str(tmp_path / "o"), "--method", "rolaq", "--scheme", "c2r4",
                               "--num-seqs", "2", "--val-seqs", "1", "--seq-len", "64"])  # fmt: skip
     assert res.exit_code == 0, res.output

@@ -38,8 +38,8 @@ def _reference_state(path):
 
 
 def test_the_576_row_projection_has_a_partial_block(ckpt):
-    with safe_open(str(ckpt / "model-00001-of-00002.safetensors"), framework="pt") as a, safe_open(
-        str(ckpt / "model-00002-of-00002.safetensors"), framework="pt") as b:  # fmt: skip
+    with safe_open(str(ckpt / "model-00002-of-00003.safetensors"), framework="pt") as a, safe_open(
+        str(ckpt / "model-00003-of-00003.safetensors"), framework="pt") as b:  # fmt: skip
         shapes = {k: (a if k in a.keys() else b).get_slice(k).get_shape() for k in [*a.keys(), *b.keys()]}
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == [576, 256]
     assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == [5, 2]
@@ -85,8 +85,8 @@ def test_bad_checkpoints_are_one_clear_error_before_any_weight(ckpt, tmp_path, m
 
     monkeypatch.setattr(loading, "read_state_dict", lambda *a, **k: pytest.fail("weights were read"))
     scale = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"
-    bad = _corrupt(ckpt, tmp_path / "1", lambda d: (d / "model-00002-of-00002.safetensors").unlink())
-    with pytest.raises(ValueError, match="names shards that are missing: \\['model-00002-of-00002.safetensors'\\]"):
+    bad = _corrupt(ckpt, tmp_path / "1", lambda d: (d / "model-00003-of-00003.safetensors").unlink())
+    with pytest.raises(ValueError, match="names shards that are missing: \\['model-00003-of-00003.safetensors'\\]"):
         load_model(bad)
     bad = _corrupt(ckpt, tmp_path / "2", lambda d: _drop(d, scale))
     with pytest.raises(ValueError, match="kv_a_proj_with_mqa.weight is float8 but its scale .* is missing"):

@@ -377,10 +377,6 @@ def _model_stage(model, adapter, modules, train_w, val_w, cfg, stage: LayerStage
 
 def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationReport) -> Path:
     """Write a transformers directory (fused weights, config, tokenizer) and ``quantmla.json``."""
-    import transformers
-
-    from quantmla import __version__
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     was_latent = is_latent_attention_enabled(model)
@@ -392,6 +388,27 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         if was_latent:
             enable_latent_attention(model)
     tokenizer.save_pretrained(out)
+    write_export_meta(out, model, report)
+    return out
+
+
+def export_changed(model: nn.Module, source: str | Path, out: str | Path, report: CalibrationReport,
+                   copy: bool = False, keep_bf16: bool = False) -> dict:  # fmt: skip
+    """Write ``model``, calibrated from the checkpoint directory ``source``, as that checkpoint with only its changed
+    tensors replaced (untouched shards hard-linked, or copied with ``copy``; an FP8 source's changed weights
+    re-quantised, or kept in BF16 with ``keep_bf16``), and ``quantmla.json``: :mod:`quantmla.calibrate.checkpoint`.
+    Returns what it wrote (changed tensors, rewritten and linked shards)."""
+    from quantmla.calibrate.checkpoint import export_changed as write
+
+    return write(model, source, out, lambda d: write_export_meta(d, model, report), copy, keep_bf16)
+
+
+def write_export_meta(out: Path, model: nn.Module, report: CalibrationReport) -> None:
+    """``quantmla.json`` (and a codec method's codec) of ``report`` in ``out``."""
+    import transformers
+
+    from quantmla import __version__
+
     cfg = report.config
     meta = {
         "format": META_FORMAT,
@@ -426,4 +443,4 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
     if report.codec is not None:
         meta["layer_schemes"] = write_codec(out, report.codec)[1]
     write_meta(out, meta)
-    return out
+

@@ -148,6 +148,12 @@ def calibrate(
     model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
     out: Path = typer.Option(..., "--out", help="Directory for the fused model and quantmla.json (new, or empty)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into --out even if it holds files."),
+    copy: bool = typer.Option(
+        False, "--copy", help="Copy the source's untouched shards into --out instead of hard-linking them."
+    ),
+    keep_bf16: bool = typer.Option(
+        False, "--keep-bf16", help="FP8 checkpoints: store the changed projections in BF16, not re-quantised to FP8."
+    ),
     scheme: str = typer.Option("c4r4", help="Cache scheme to calibrate for (c4r4, c2r4, ...)."),
     method: str = typer.Option(
         "quantmla",
@@ -194,8 +200,8 @@ def calibrate(
     import torch
     from rich.table import Table
 
-    from quantmla.calibrate import CalibrationConfig, calibrate_model, export
-    from quantmla.calibrate.api import calibration_windows
+    from quantmla.calibrate import CalibrationConfig, calibrate_model
+    from quantmla.calibrate.api import calibration_windows, export_changed
     from quantmla.models.loading import (
         dtype_name,
         inspect_model,
@@ -219,13 +225,15 @@ def calibrate(
         cfg = CalibrationConfig(**kwargs)
         check_out(out, overwrite)
         src = inspect_model(model)
+        if keep_bf16 and src.fp8 is None:
+            raise ValueError(f"--keep-bf16 applies to an FP8 checkpoint; {src.path} is unquantised")
         check_cache(src, cfg.scheme, cfg.group_size)
         body = load_text(text, dataset, split)
         train_w, val_w, _ = calibration_windows(load_tokenizer(src), body, cfg)  # enough text for the windows
     with internal_errors("calibrate"):
         m, tok = load(src, dtype=torch_dtype, device=dev)
         m, report = calibrate_model(m, tok, torch.cat([train_w, val_w]), **kwargs)
-        export(m, tok, out, report)
+        wrote = export_changed(m, src.path, out, report, copy=copy, keep_bf16=keep_bf16)
     t = Table(
         title=f"{method} {scheme} ({dtype_name(torch_dtype)} on {dev}): held-out error per layer (before -> after)"
     )
@@ -244,7 +252,11 @@ def calibrate(
     if report.codec is not None:
         weights = "transforms fused into the weights" if report.weights_changed else "weights unchanged"
         Console().print(f"{method}: {weights}; the per-layer cache codec is {out}/quantmla/codec.safetensors")
-    Console().print(f"wrote {out} (load it with transformers, or run `quantmla eval ppl {out}`)")
+    Console().print(
+        f"wrote {out}: {len(wrote['changed'])} tensors changed, {len(wrote['rewritten'])} shards rewritten,"
+        f" {len(wrote['linked'])} {'copied' if copy else 'hard-linked'} from the source (load it with transformers,"
+        f" or run `quantmla eval ppl {out}`)"
+    )
 
 
 def _layer_cell(path_row: dict) -> str:

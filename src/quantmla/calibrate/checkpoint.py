@@ -1,0 +1,165 @@
+"""A calibrated model written as its source checkpoint with only the changed tensors replaced.
+
+Calibration fuses its transforms into a few attention tensors per layer (``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+``kv_b_proj``, the query projection). Rewriting every weight would write the whole model again (2.7 TB in float32
+for DeepSeek-V3), so :func:`export_changed` compares those tensors with the source's and writes:
+
+* every source shard with no changed tensor, hard-linked (``copy=True``: copied);
+* every shard holding a changed tensor, anew: its other tensors as they were (FP8 codes and scales included), the
+  changed ones in the source's format: an FP8 block-quantised weight re-quantised with new 128 x 128 block scales,
+  or, with ``keep_bf16``, in BF16 without a scale (its module named in the quantization config's
+  ``modules_to_not_convert``); an unquantised one in its dtype;
+* the index with the same shard names, the source's ``config.json`` (and ``generation_config.json``, tokenizer
+  files) and ``quantmla.json``.
+
+So the export is the source's size but for the changed tensors' difference, and it loads in transformers (an
+unquantised source), in :func:`quantmla.load` and in vLLM as the calibrated model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantmla.models.adapter import get_adapter
+from quantmla.models.fp8_checkpoint import (
+    INDEX_FILE,
+    SCALE_SUFFIX,
+    Fp8Blocks,
+    dequantize_blocks,
+    quantize_blocks,
+    shards,
+)
+
+logger = logging.getLogger(__name__)
+
+#: files of the source directory carried into the export as they are (beside the weights and quantmla.json)
+CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "tokenizer.model", "vocab.json", "merges.txt")  # fmt: skip
+
+
+def calibrated_tensor_names(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors calibration may change, by state-dict name: each attention module's latent projection, latent
+    norm, up-projection and query projection."""
+    adapter = get_adapter(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for _, attn in adapter.attention_modules(model):
+        for module in (adapter.kv_a_proj(attn), adapter.kv_norm(attn), adapter.kv_b_proj(attn), adapter.q_proj(attn)):
+            out[names[id(module.weight)]] = module.weight
+    return out
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, str]]:
+    """``name -> (shard, dtype)`` from the shards' headers."""
+    out = {}
+    for f in files:
+        with f.open("rb") as h:
+            n = int.from_bytes(h.read(8), "little")
+            header = json.loads(h.read(n))
+        out |= {name: (f, info["dtype"]) for name, info in header.items() if name != "__metadata__"}
+    return out
+
+
+def changed_tensors(model: nn.Module, source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:
+    """The calibrated tensors that differ from the source checkpoint's (an FP8 weight compared dequantised)."""
+    from safetensors import safe_open
+
+    where = _headers(shards(source))
+    out = {}
+    for name, t in calibrated_tensor_names(model).items():
+        if name not in where:
+            raise ValueError(f"{source}: the calibrated tensor {name} is not in the checkpoint")
+        with safe_open(str(where[name][0]), framework="pt") as st:
+            old = st.get_tensor(name)
+            if old.dtype == torch.float8_e4m3fn:
+                scale = name + SCALE_SUFFIX
+                with safe_open(str(where[scale][0]), framework="pt") as ss:
+                    old = dequantize_blocks(old, ss.get_tensor(scale), blocks, torch.float32)
+        if not torch.equal(old.to(t.dtype).to(t.device), t.detach()):
+            out[name] = t.detach()
+    return out
+
+
+def _link(src: Path, dst: Path, copy: bool) -> None:
+    if not copy:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another file system: a copy
+            logger.info("%s: hard link not possible, copied", dst.name)
+    shutil.copy2(src, dst)
+
+
+def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_writer, copy: bool = False,
+                   keep_bf16: bool = False) -> dict:  # fmt: skip
+    """Write ``model`` (calibrated from the checkpoint in ``source``) to ``out`` as the source with only its changed
+    tensors replaced; ``meta_writer(out)`` writes ``quantmla.json`` (and a codec). Returns what was written:
+    ``{"changed": [...], "rewritten": [...], "linked": [...]}``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from quantmla.models.loading import inspect_model
+
+    src = inspect_model(source)
+    blocks = src.fp8
+    if keep_bf16 and blocks is None:
+        raise ValueError("--keep-bf16 applies to an FP8 checkpoint; this one is unquantised")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = changed_tensors(model, src.path, blocks)
+    files = shards(src.path)
+    where = _headers(files)
+    by_file: dict[Path, list[str]] = {}
+    for name in changed:
+        by_file.setdefault(where[name][0], []).append(name)
+    weight_map, linked, rewritten, kept_bf16 = {}, [], [], []
+    for f in files:
+        names = [n for n, (g, _) in where.items() if g == f]
+        if f not in by_file:
+            _link(f, out / f.name, copy)
+            linked.append(f.name)
+            weight_map |= dict.fromkeys(names, f.name)
+            continue
+        tensors = {}
+        with safe_open(str(f), framework="pt") as st:
+            for n in names:
+                if n not in changed and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in changed):
+                    tensors[n] = st.get_tensor(n)
+        for n in by_file[f]:
+            t = changed[n].float().cpu()
+            if where[n][1] == "F8_E4M3" and not keep_bf16:
+                tensors[n], scale = quantize_blocks(t, blocks)
+                tensors[n + SCALE_SUFFIX] = scale
+            elif where[n][1] == "F8_E4M3":
+                tensors[n] = t.to(torch.bfloat16)
+                kept_bf16.append(n.removesuffix(".weight"))
+            else:
+                tensors[n] = t.to(_DTYPES[where[n][1]])
+        save_file({n: v.contiguous() for n, v in tensors.items()}, str(out / f.name), metadata={"format": "pt"})
+        rewritten.append(f.name)
+        weight_map |= dict.fromkeys(tensors, f.name)
+    if (src.path / INDEX_FILE).is_file() or len(files) > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((src.path / "config.json").read_text())
+    if kept_bf16:
+        q = config["quantization_config"]
+        q["modules_to_not_convert"] = sorted({*q.get("modules_to_not_convert", []), *kept_bf16})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in CARRIED:
+        if (src.path / name).is_file() and not (out / name).exists():
+            shutil.copy2(src.path / name, out / name)
+    meta_writer(out)
+    logger.info("export: %d tensors changed, %d shards rewritten, %d %s", len(changed), len(rewritten), len(linked),
+                "copied" if copy else "hard-linked")  # fmt: skip
+    return {"changed": sorted(changed), "rewritten": rewritten, "linked": linked, "kept_bf16": kept_bf16}
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}

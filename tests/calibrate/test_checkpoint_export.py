@@ -1,0 +1,96 @@
+"""Export of only what calibration changed (the source's shards hard-linked, the rewritten ones holding the
+changed tensors in the source's format), from an FP8 block-quantised DeepSeek-V3-config checkpoint and a BF16 one:
+the export loads as the calibrated model (within FP8's re-quantisation error, measured against FP8's own)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from fp8_checkpoints import v3_model, write_v3_fp8_checkpoint
+from quantmla.calibrate import calibrate_model
+from quantmla.calibrate.api import export_changed
+from quantmla.models.loading import load_model
+
+KW = dict(steps=2, model_steps=0, num_seqs=2, val_seqs=1, seq_len=32, batch_size=3)
+
+
+def _windows(seed=0):
+    return torch.randint(3, 500, (3, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def _kl(p_logits, q_logits) -> float:
+    p, q = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    return {"fp8": write_v3_fp8_checkpoint(root / "fp8"), "bf16": write_v3_fp8_checkpoint(root / "bf16", fp8=False)}
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out |= {n: (f.name, st.get_tensor(n)) for n in st.keys()}
+    return out
+
+
+@pytest.mark.parametrize("keep_bf16", [False, True])
+def test_an_fp8_export_rewrites_only_the_changed_tensors(sources, tmp_path, keep_bf16):
+    src = sources["fp8"]
+    model = load_model(src, dtype=torch.float32)
+    fused, report = calibrate_model(model, None, _windows(), scheme="c4r4", method="quantmla", **KW)
+    out = tmp_path / "out"
+    wrote = export_changed(fused, src, out, report, keep_bf16=keep_bf16)
+    assert wrote["changed"] and all(".self_attn." in n for n in wrote["changed"])
+    assert wrote["linked"] == ["model-00001-of-00003.safetensors"]  # embeddings, output layer, final norm
+    assert os.stat(out / wrote["linked"][0]).st_ino == os.stat(src / wrote["linked"][0]).st_ino
+    old, new = _tensors(src), _tensors(out)
+    for name, (_, t) in old.items():
+        base = name.removesuffix("_scale_inv")
+        if base in wrote["changed"]:
+            continue
+        assert torch.equal(new[name][1].view(torch.uint8), t.view(torch.uint8)), name  # unchanged: the same bytes
+    for name in wrote["changed"]:
+        want = torch.bfloat16 if keep_bf16 else torch.float8_e4m3fn
+        assert new[name][1].dtype == want and ((name + "_scale_inv") in new) != keep_bf16, name
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    if keep_bf16:
+        skipped = set(config["quantization_config"]["modules_to_not_convert"])
+        assert {n.removesuffix(".weight") for n in wrote["changed"]} <= skipped
+    assert json.loads((out / "quantmla.json").read_text())["method"] == "quantmla"
+    # the export loads as the calibrated model, within the re-quantisation error: measured against FP8's own (the
+    # float model against its FP8 checkpoint)
+    back = load_model(out, dtype=torch.float32)
+    x = _windows(5)
+    with torch.no_grad():
+        requant = _kl(fused(x).logits, back(x).logits)
+        own = _kl(v3_model()(x).logits, load_model(src, dtype=torch.float32)(x).logits)
+    print(f"KL(fused || export) {requant:.3g} ({'bf16' if keep_bf16 else 'fp8'}), KL(float || its FP8) {own:.3g}")
+    assert requant <= (0.05 if keep_bf16 else 2) * own
+
+
+def test_a_bf16_export_loads_in_transformers_and_rtn_links_every_shard(sources, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = sources["bf16"]
+    model = load_model(src, dtype=torch.float32)
+    fused, report = calibrate_model(model, None, _windows(), scheme="c4r4", method="quantmla", **KW)
+    wrote = export_changed(fused, src, tmp_path / "q", report)
+    assert wrote["linked"] == ["model-00001-of-00003.safetensors"] and len(wrote["rewritten"]) == 2
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    state = back.state_dict()
+    for name in wrote["changed"]:
+        assert torch.equal(state[name], fused.state_dict()[name].to(torch.bfloat16).float()), name
+    rtn = load_model(src, dtype=torch.float32)
+    rtn, report = calibrate_model(rtn, None, _windows(), scheme="c4r4", method="rtn", **KW)
+    wrote = export_changed(rtn, src, tmp_path / "r", report)
+    assert wrote["changed"] == [] and wrote["rewritten"] == [] and len(wrote["linked"]) == 3
+    with pytest.raises(ValueError, match="--keep-bf16 applies to an FP8 checkpoint"):
+        export_changed(rtn, src, tmp_path / "s", report, keep_bf16=True)
