@@ -443,4 +443,3 @@ def write_export_meta(out: Path, model: nn.Module, report: CalibrationReport) ->
     if report.codec is not None:
         meta["layer_schemes"] = write_codec(out, report.codec)[1]
     write_meta(out, meta)
-
