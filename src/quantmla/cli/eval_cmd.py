@@ -14,7 +14,16 @@ from rich.table import Table
 
 from quantmla.cli.errors import check_out, internal_errors, user_errors
 from quantmla.formats.codec import scheme_name
-from quantmla.models.loading import DEFAULT_MODEL
+from quantmla.models.loading import (
+    DEFAULT_MODEL,
+    dtype_name,
+    inspect_model,
+    load,
+    load_text,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 
 logger = logging.getLogger(__name__)
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
@@ -145,15 +154,6 @@ def ppl(
     """Perplexity with the cache as decode sees it (sinks and the last `recent` tokens unquantised)."""
     from quantmla.eval.ppl import PerplexityConfig, cache_config, perplexity
     from quantmla.measure import tokens
-    from quantmla.models.loading import (
-        dtype_name,
-        inspect_model,
-        load,
-        load_text,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-    )
 
     with user_errors():  # everything but the forwards is checked before a weight is read
         dev = resolve_device(device)
@@ -231,15 +231,6 @@ def niah(
 ) -> None:
     """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
     from quantmla.eval.niah import NiahConfig, accuracy, examples, heatmap, run_niah
-    from quantmla.models.loading import (
-        dtype_name,
-        inspect_model,
-        load,
-        load_text,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-    )
 
     with user_errors():
         dev = resolve_device(device)
@@ -316,7 +307,6 @@ def lm_eval_cmd(
 ) -> None:
     """lm-eval tasks (``HFLM``) with the quantised cache: log-likelihoods and generations both read it."""
     from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval, task_manager
-    from quantmla.models.loading import dtype_name, inspect_model, load, resolve_device, resolve_dtype
 
     with user_errors():
         dev = resolve_device(device)

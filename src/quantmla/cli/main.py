@@ -12,6 +12,7 @@ from quantmla import __version__
 from quantmla.cli import eval_cmd
 from quantmla.cli.errors import check_cache, check_out, internal_errors, parse_layers, user_errors
 from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DTYPE_HELP
+from quantmla.models import loading
 
 app = typer.Typer(
     add_completion=False,
@@ -99,38 +100,30 @@ def analyze(
     from quantmla.analysis import analyze as run_analysis
     from quantmla.analysis.report import table, write
     from quantmla.measure.tokens import token_windows
-    from quantmla.models.loading import (
-        dtype_name,
-        inspect_model,
-        load,
-        load_text,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-    )
 
     shapes = {"both": ("gaussian", "quant"), "gaussian": ("gaussian",), "quant": ("quant",)}
     with user_errors():  # everything but the forwards is checked before a weight is read
         if shape not in shapes:
             raise ValueError(f"--shape {shape!r} unknown; valid: gaussian, quant, both")
-        dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev)
+        dev = loading.resolve_device(device)
+        torch_dtype = loading.resolve_dtype(dtype, dev)
         cfg = AnalysisConfig(
             shapes=shapes[shape], quantizer=quantizer, nmse=nmse, probes=probes, batch_size=batch_size, seed=seed
         )
-        src = inspect_model(model)
+        src = loading.inspect_model(model)
         idx = parse_layers(layers, src.num_cache_layers)
         if "quant" in cfg.shapes:
             check_cache(src, cfg.quantizer, cfg.group_size)
         if out is not None:
             check_out(out, overwrite=True)  # its three files are replaced
-        body = load_text(text, dataset, split)
-        windows = token_windows(load_tokenizer(src), body, seq_len, num_seqs)
+        body = loading.load_text(text, dataset, split)
+        windows = token_windows(loading.load_tokenizer(src), body, seq_len, num_seqs)
     with internal_errors("analyze"):
-        m, _ = load(src, dtype=torch_dtype, device=dev)
+        m, _ = loading.load(src, dtype=torch_dtype, device=dev)
         report = run_analysis(m, windows, cfg, layers=idx, progress=True)
     title = (
-        f"{model} in {dtype_name(torch_dtype)} on {dev}: responses at cache NMSE {nmse} ({num_seqs} x {seq_len} tokens)"
+        f"{model} in {loading.dtype_name(torch_dtype)} on {dev}: responses at cache NMSE {nmse}"
+        f" ({num_seqs} x {seq_len} tokens)"
     )
     if out is not None:
         with internal_errors("analyze"):
@@ -202,15 +195,6 @@ def calibrate(
 
     from quantmla.calibrate import CalibrationConfig, calibrate_model
     from quantmla.calibrate.api import calibration_windows, export_changed
-    from quantmla.models.loading import (
-        dtype_name,
-        inspect_model,
-        load,
-        load_text,
-        load_tokenizer,
-        resolve_device,
-        resolve_dtype,
-    )
 
     if no_sink_recent:
         sink, recent = 0, 0
@@ -220,22 +204,23 @@ def calibrate(
         model_objective=model_objective, model_seq_len=model_seq_len, rope_fit_seq_len=rope_fit_seq_len,
     )  # fmt: skip
     with user_errors():  # every input is checked before a weight is read
-        dev = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, dev)
+        dev = loading.resolve_device(device)
+        torch_dtype = loading.resolve_dtype(dtype, dev)
         cfg = CalibrationConfig(**kwargs)
         check_out(out, overwrite)
-        src = inspect_model(model)
+        src = loading.inspect_model(model)
         if keep_bf16 and src.fp8 is None:
             raise ValueError(f"--keep-bf16 applies to an FP8 checkpoint; {src.path} is unquantised")
         check_cache(src, cfg.scheme, cfg.group_size)
-        body = load_text(text, dataset, split)
-        train_w, val_w, _ = calibration_windows(load_tokenizer(src), body, cfg)  # enough text for the windows
+        body = loading.load_text(text, dataset, split)
+        train_w, val_w, _ = calibration_windows(loading.load_tokenizer(src), body, cfg)  # enough text for the windows
     with internal_errors("calibrate"):
-        m, tok = load(src, dtype=torch_dtype, device=dev)
+        m, tok = loading.load(src, dtype=torch_dtype, device=dev)
         m, report = calibrate_model(m, tok, torch.cat([train_w, val_w]), **kwargs)
         wrote = export_changed(m, src.path, out, report, copy=copy, keep_bf16=keep_bf16)
     t = Table(
-        title=f"{method} {scheme} ({dtype_name(torch_dtype)} on {dev}): held-out error per layer (before -> after)"
+        title=f"{method} {scheme} ({loading.dtype_name(torch_dtype)} on {dev}): held-out error per layer"
+        " (before -> after)"
     )
     for col in ("layer", "content", "RoPE"):
         t.add_column(col, justify="right")
