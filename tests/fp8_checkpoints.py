@@ -17,13 +17,17 @@ from quantmla.models.fp8_checkpoint import Fp8Blocks, quantize_blocks
 QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
 
-def v3_fp8_config(layers: int = 3) -> DeepseekV3Config:
-    return DeepseekV3Config(
-        vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=192, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+def v3_fp8_config(layers: int = 3, vocab: int = 512, experts: int = 4, moe_width: int = 128,
+                  **sizes) -> DeepseekV3Config:  # fmt: skip
+    """``sizes``: other fields (e.g. ``hidden_size``, ``num_attention_heads``) over the defaults."""
+    fields = dict(
+        vocab_size=vocab, hidden_size=256, intermediate_size=384, moe_intermediate_size=moe_width,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=192, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=experts,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1,
         topk_group=1, first_k_dense_replace=1, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
+    return DeepseekV3Config(**(fields | sizes))
 
 
 def quantised(name: str, t: torch.Tensor) -> bool:
@@ -32,10 +36,10 @@ def quantised(name: str, t: torch.Tensor) -> bool:
         "lm_head" not in name) and not name.endswith("mlp.gate.weight")  # fmt: skip
 
 
-def v3_model(layers: int = 3, seed: int = 0) -> DeepseekV3ForCausalLM:
-    """The random float32 V3-config model the checkpoints hold."""
+def v3_model(layers: int = 3, seed: int = 0, vocab: int = 512, **config) -> DeepseekV3ForCausalLM:
+    """The random float32 V3-config model the checkpoints hold (``config``: :func:`v3_fp8_config`'s sizes)."""
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(v3_fp8_config(layers)).eval()
+    model = DeepseekV3ForCausalLM(v3_fp8_config(layers, vocab, **config)).eval()
     with torch.no_grad():  # weights large enough that attention is far from uniform
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
@@ -43,10 +47,11 @@ def v3_model(layers: int = 3, seed: int = 0) -> DeepseekV3ForCausalLM:
     return model
 
 
-def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0, fp8: bool = True) -> Path:
+def write_v3_fp8_checkpoint(out: Path, layers: int = 3, seed: int = 0, fp8: bool = True, vocab: int = 512,
+                            **config) -> Path:  # fmt: skip
     """:func:`v3_model` saved as an FP8 block-quantised checkpoint in ``out`` (``fp8=False``: BF16), three
     shards."""
-    model = v3_model(layers, seed)
+    model = v3_model(layers, seed, vocab, **config)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)  # the checkpoint's own names (per-expert weights)
     from safetensors.torch import load_file

@@ -13,23 +13,32 @@ def teacher_forced_logprobs(model, scheme: str | None, prompts, tokens, chunk: i
     from quantmla.cache import QuantizedLatentCache
 
     out = []
+    device = next(model.parameters()).device
+
+    def ids(x):
+        return torch.tensor(x, device=device)
+
     with torch.no_grad():
         for p, t in zip(prompts, tokens, strict=True):
             if scheme is None:
-                lp = model(torch.tensor([p + t])).logits.float().log_softmax(-1)[0, len(p) - 1 : -1]
+                lp = model(ids([p + t])).logits.float().log_softmax(-1)[0, len(p) - 1 : -1]
             else:
                 cache = QuantizedLatentCache(model.config, scheme=scheme, backend="torch")
                 step = chunk or len(p)
                 for i in range(0, len(p), step):
-                    last = model(torch.tensor([p[i : i + step]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                    last = model(ids([p[i : i + step]]), past_key_values=cache, use_cache=True).logits[0, -1]
                 steps = [last]
                 for x in t[:-1]:
-                    steps.append(model(torch.tensor([[x]]), past_key_values=cache, use_cache=True).logits[0, -1])
+                    steps.append(model(ids([[x]]), past_key_values=cache, use_cache=True).logits[0, -1])
                 lp = torch.stack(steps).float().log_softmax(-1)
-            out.append(lp.gather(-1, torch.tensor(t)[:, None])[:, 0].tolist())
+            out.append(lp.gather(-1, ids(t)[:, None])[:, 0].tolist())
     return out
 
 
 def mean_abs_diff(a, b) -> float:
     d = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
     return sum(d) / len(d)
+
+
+def max_abs_diff(a, b) -> float:
+    return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))

@@ -51,19 +51,34 @@ def test_an_fp8_export_rewrites_only_the_changed_tensors(sources, tmp_path, keep
     assert wrote["linked"] == ["model-00001-of-00003.safetensors"]  # embeddings, output layer, final norm
     assert os.stat(out / wrote["linked"][0]).st_ino == os.stat(src / wrote["linked"][0]).st_ino
     old, new = _tensors(src), _tensors(out)
+    # --keep-bf16: a layer's q_a_proj goes to BF16 with its kv_a_proj_with_mqa (vLLM fuses the two and refuses mixed
+    # precision: "Detected some but not all shards of ... are quantized"), its values the FP8 ones dequantised
+    along = {n + ".weight" for n in wrote["kept_bf16"]} - set(wrote["changed"])
+    assert all(".q_a_proj." in n for n in along) and len(along) == keep_bf16 * sum(
+        ".kv_a_proj_with_mqa." in n for n in wrote["changed"])  # fmt: skip
+    for name in along:
+        from quantmla.models.fp8_checkpoint import Fp8Blocks, dequantize_blocks
+
+        want = dequantize_blocks(old[name][1], old[name + "_scale_inv"][1], Fp8Blocks(), torch.bfloat16)
+        assert new[name][1].dtype == torch.bfloat16 and torch.equal(new[name][1], want), name
     for name, (_, t) in old.items():
         base = name.removesuffix("_scale_inv")
-        if base in wrote["changed"]:
+        if base in wrote["changed"] or base in along:
             continue
         assert torch.equal(new[name][1].view(torch.uint8), t.view(torch.uint8)), name  # unchanged: the same bytes
-    for name in wrote["changed"]:
-        want = torch.bfloat16 if keep_bf16 else torch.float8_e4m3fn
-        assert new[name][1].dtype == want and ((name + "_scale_inv") in new) != keep_bf16, name
+    for name in wrote["changed"]:  # an FP8 weight stays FP8 (or BF16 with --keep-bf16), another its dtype
+        fp8 = old[name][1].dtype == torch.float8_e4m3fn
+        want = old[name][1].dtype if not fp8 else torch.bfloat16 if keep_bf16 else torch.float8_e4m3fn
+        assert new[name][1].dtype == want and ((name + "_scale_inv") in new) == (fp8 and not keep_bf16), name
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
+    skipped = set(config["quantization_config"].get("modules_to_not_convert", []))
     if keep_bf16:
-        skipped = set(config["quantization_config"]["modules_to_not_convert"])
-        assert {n.removesuffix(".weight") for n in wrote["changed"]} <= skipped
+        fp8 = {n for n in wrote["changed"] if old[n][1].dtype == torch.float8_e4m3fn}
+        assert {n.removesuffix(".weight") for n in fp8} <= skipped
+    for layer in range(3):  # vLLM's fused q_a_proj + kv_a_proj_with_mqa: one precision
+        pre = f"model.layers.{layer}.self_attn."
+        assert (pre + "q_a_proj" in skipped) == (pre + "kv_a_proj_with_mqa" in skipped), layer
     assert json.loads((out / "quantmla.json").read_text())["method"] == "quantmla"
     # the export loads as the calibrated model, within the re-quantisation error: measured against FP8's own (the
     # float model against its FP8 checkpoint)

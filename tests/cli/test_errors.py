@@ -175,3 +175,47 @@ def test_too_many_windows_is_one_line():
     assert res.exit_code == 2 and "Traceback" not in res.output
     errors = [ln for ln in res.output.splitlines() if ln.startswith("Error")]
     assert len(errors) == 1 and "num_seqs=100000 but the text holds only" in errors[0], res.output
+
+
+def test_sequential_options_are_checked_before_any_weight(no_weights, tmp_path, monkeypatch):
+    import quantmla.models.streaming as streaming
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a layer was read before the bad input was reported")
+
+    monkeypatch.setattr(streaming.CheckpointLayers, "layer", boom)
+    monkeypatch.setattr(streaming.CheckpointLayers, "embedding", boom)
+    out = ["--out", str(tmp_path / "o"), "--num-seqs", "2", "--val-seqs", "1", "--seq-len", "64"]
+    _usage_error(["calibrate", *out, "--offload", "disk"], "--offload, --resume and --work-dir apply to --sequential")
+    _usage_error(["calibrate", *out, "--sequential", "--offload", "nvme"], "offload='nvme'", "cpu, disk")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "x").write_text("x")
+    _usage_error(["calibrate", *out, "--sequential", "--work-dir", str(tmp_path / "work")],
+                 "is not a quantmla work directory")  # fmt: skip
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_refused(no_weights, tmp_path):
+    from fp8_checkpoints import write_v3_fp8_checkpoint
+
+    src = write_v3_fp8_checkpoint(tmp_path / "src", layers=1)  # vocab 512: the bundled tokenizer has 8192
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path("tiny-mla") / f, src / f)
+    _usage_error(["calibrate", str(src), "--out", str(tmp_path / "o"), "--seq-len", "64", "--num-seqs", "2",
+                  "--val-seqs", "1"], "beyond the model's vocab_size 512", "not this model's tokenizer")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "command", [["eval", "ppl"], ["eval", "niah"], ["eval", "lm-eval", "--tasks", "x"], ["analyze"]]
+)
+def test_device_map_options_are_checked_before_any_weight(no_weights, command):
+    _usage_error([*command, "--device-map", "auto", "--device", "cuda:7"], "give --device (cuda:7) or --device-map")
+    _usage_error([*command, "--max-memory", "cpu=1GiB"], "--max-memory applies to --device-map auto")
+    _usage_error([*command, "--device-map", "balanced"], "device_map='balanced'; valid: auto")
+
+
+def test_eval_ppl_runs_with_a_device_map_and_says_so():
+    res = runner.invoke(app, ["eval", "ppl", "--device-map", "auto", "--max-memory", "cpu=20MiB", "--num-seqs", "1",
+                              "--seq-len", "128", "--json"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output[res.output.index("{") :])
+    assert out["device"] == "device_map=auto" and out["results"][0]["ppl"] > 1

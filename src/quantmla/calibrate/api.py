@@ -287,6 +287,20 @@ def calibration_windows(tokenizer, texts, cfg: CalibrationConfig) -> tuple[torch
     return windows[: cfg.num_seqs], windows[cfg.num_seqs :], hashlib.sha256(windows.numpy().tobytes()).hexdigest()
 
 
+def layer_stage_windows(cfg: CalibrationConfig, train_w: torch.Tensor, val_w: torch.Tensor) -> list[torch.Tensor]:
+    """The token windows a per-layer method reads: the calibration and held-out windows, then (``raq``) the
+    longer ones of its post-RoPE fit."""
+    long = _rope_fit_windows(cfg, train_w, val_w) if cfg.method == "raq" else None
+    return [train_w, val_w, *(long or ())]
+
+
+def layer_stage_on(model, adapter, modules, train_w, val_w, cfg: CalibrationConfig, data_sha: str, inputs
+                   ) -> LayerStage:  # fmt: skip
+    """The layer stage of ``modules`` (no progress bar), their attention inputs from ``inputs`` (a
+    :class:`~quantmla.measure.layer_inputs.StreamedInputs` at their layer)."""
+    return _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, False, inputs)
+
+
 def _joined(windows: torch.Tensor, seq_len: int | None) -> torch.Tensor:
     """Consecutive windows joined into sequences of ``seq_len`` tokens (``None``: as they are)."""
     return windows if seq_len is None else windows.reshape(-1, seq_len)
@@ -310,14 +324,17 @@ def _final_layer_errors(model, adapter, modules, val_w, cfg, rows) -> None:
         del val
 
 
-def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress) -> LayerStage:
+def _layer_stage(model, adapter, modules, train_w, val_w, cfg, data_sha, progress, inputs=None) -> LayerStage:
+    """The layer stage on ``modules``; their attention inputs from ``inputs`` (a
+    :class:`~quantmla.measure.layer_inputs.StreamedInputs`) or, ``None``, from ``model`` run from the embedding."""
+    source = model if inputs is None else inputs
     scheme = parse_scheme(cfg.scheme)
     learn_cfg = LearnConfig(cfg.steps, cfg.lr)
     rows, chosen, candidates = [], {}, {}
     for idx, attn in tqdm(modules, desc=f"calibrate {cfg.method} {cfg.scheme}", unit="layer", disable=not progress):
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)  # per layer: subsets give the same draws
-        train = collect(model, idx, train_w, cfg.batch_size)
-        val = collect(model, idx, val_w, cfg.batch_size)
+        train = collect(source, idx, train_w, cfg.batch_size)
+        val = collect(source, idx, val_w, cfg.batch_size)
         row: dict = {"layer": idx}
         method = "quantmla" if cfg.method == "quantmla-raq" else cfg.method
         c_method = method if "content" in cfg.paths else "rtn"
@@ -388,7 +405,7 @@ def export(model: nn.Module, tokenizer, out: str | Path, report: CalibrationRepo
         if was_latent:
             enable_latent_attention(model)
     tokenizer.save_pretrained(out)
-    write_export_meta(out, model, report)
+    write_export_meta(out, report, next(model.parameters()).dtype)
     return out
 
 
@@ -400,11 +417,12 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, report
     Returns what it wrote (changed tensors, rewritten and linked shards)."""
     from quantmla.calibrate.checkpoint import export_changed as write
 
-    return write(model, source, out, lambda d: write_export_meta(d, model, report), copy, keep_bf16)
+    dtype = next(model.parameters()).dtype
+    return write(model, source, out, lambda d: write_export_meta(d, report, dtype), copy, keep_bf16)
 
 
-def write_export_meta(out: Path, model: nn.Module, report: CalibrationReport) -> None:
-    """``quantmla.json`` (and a codec method's codec) of ``report`` in ``out``."""
+def write_export_meta(out: Path, report: CalibrationReport, dtype: torch.dtype) -> None:
+    """``quantmla.json`` (and a codec method's codec) of ``report`` in ``out``; ``dtype``: the model's."""
     import transformers
 
     from quantmla import __version__
@@ -419,7 +437,7 @@ def write_export_meta(out: Path, model: nn.Module, report: CalibrationReport) ->
         "recent": cfg.recent,
         "steps": cfg.steps,
         "paths": list(cfg.paths),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "calibration": {
             "num_seqs": cfg.num_seqs,
             "val_seqs": cfg.val_seqs,

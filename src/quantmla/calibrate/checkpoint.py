@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -69,11 +70,16 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, str]]:
 
 def changed_tensors(model: nn.Module, source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:
     """The calibrated tensors that differ from the source checkpoint's (an FP8 weight compared dequantised)."""
+    return changed_among(calibrated_tensor_names(model), source, blocks)
+
+
+def changed_among(tensors: dict[str, torch.Tensor], source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:
+    """Those of ``tensors`` (by checkpoint name) that differ from the source checkpoint's."""
     from safetensors import safe_open
 
     where = _headers(shards(source))
     out = {}
-    for name, t in calibrated_tensor_names(model).items():
+    for name, t in tensors.items():
         if name not in where:
             raise ValueError(f"{source}: the calibrated tensor {name} is not in the checkpoint")
         with safe_open(str(where[name][0]), framework="pt") as st:
@@ -102,6 +108,39 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_w
     """Write ``model`` (calibrated from the checkpoint in ``source``) to ``out`` as the source with only its changed
     tensors replaced; ``meta_writer(out)`` writes ``quantmla.json`` (and a codec). Returns what was written:
     ``{"changed": [...], "rewritten": [...], "linked": [...]}``."""
+    from quantmla.models.loading import inspect_model
+
+    src = inspect_model(source)
+    if keep_bf16 and src.fp8 is None:
+        raise ValueError("--keep-bf16 applies to an FP8 checkpoint; this one is unquantised")
+    return write_changed(src.path, out, changed_tensors(model, src.path, src.fp8), meta_writer, copy, keep_bf16)
+
+
+class StoredTensors(Mapping):
+    """Tensors by checkpoint name, read on access from the safetensors ``files`` that hold them (a layer-by-layer
+    calibration's changed tensors: never all in memory at once)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, Path] = {}
+        for f in files:
+            self._where |= {name: f for name in _headers([f])}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as st:
+            return st.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def write_changed(source: str | Path, out: str | Path, changed: Mapping[str, torch.Tensor], meta_writer,
+                  copy: bool = False, keep_bf16: bool = False) -> dict:  # fmt: skip
+    """The export of :func:`export_changed` from the changed tensors themselves (by checkpoint name)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -113,12 +152,21 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_w
         raise ValueError("--keep-bf16 applies to an FP8 checkpoint; this one is unquantised")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    changed = changed_tensors(model, src.path, blocks)
     files = shards(src.path)
     where = _headers(files)
+    # vLLM fuses q_a_proj with kv_a_proj_with_mqa and refuses a fused layer of mixed precision: a kept-BF16
+    # kv_a_proj_with_mqa takes its q_a_proj along (its FP8 values dequantised, stored in BF16)
+    siblings = set()
+    if keep_bf16:
+        for name in changed:
+            sib = name.replace(".kv_a_proj_with_mqa.", ".q_a_proj.")
+            if sib != name and where[name][1] == "F8_E4M3" and sib in where and where[sib][1] == "F8_E4M3":
+                siblings.add(sib)
+        siblings -= set(changed)
     by_file: dict[Path, list[str]] = {}
-    for name in changed:
+    for name in [*changed, *sorted(siblings)]:
         by_file.setdefault(where[name][0], []).append(name)
+    replaced = set(changed) | siblings
     weight_map, linked, rewritten, kept_bf16 = {}, [], [], []
     for f in files:
         names = [n for n, (g, _) in where.items() if g == f]
@@ -130,9 +178,17 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_w
         tensors = {}
         with safe_open(str(f), framework="pt") as st:
             for n in names:
-                if n not in changed and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in changed):
+                if n not in replaced and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in replaced):
                     tensors[n] = st.get_tensor(n)
+            for n in by_file[f]:
+                if n in siblings:
+                    with safe_open(str(where[n + SCALE_SUFFIX][0]), framework="pt") as ss:
+                        scale = ss.get_tensor(n + SCALE_SUFFIX)
+                    tensors[n] = dequantize_blocks(st.get_tensor(n), scale, blocks, torch.bfloat16)
+                    kept_bf16.append(n.removesuffix(".weight"))
         for n in by_file[f]:
+            if n in siblings:
+                continue
             t = changed[n].float().cpu()
             if where[n][1] == "F8_E4M3" and not keep_bf16:
                 tensors[n], scale = quantize_blocks(t, blocks)
@@ -159,7 +215,10 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_w
     meta_writer(out)
     logger.info("export: %d tensors changed, %d shards rewritten, %d %s", len(changed), len(rewritten), len(linked),
                 "copied" if copy else "hard-linked")  # fmt: skip
-    return {"changed": sorted(changed), "rewritten": rewritten, "linked": linked, "kept_bf16": kept_bf16}
+    if siblings:
+        logger.info("export: %d q_a_proj weights stored in BF16 beside their kept kv_a_proj_with_mqa (vLLM fuses the"
+                    " two and needs one precision)", len(siblings))  # fmt: skip
+    return {"changed": sorted(changed), "rewritten": rewritten, "linked": linked, "kept_bf16": sorted(kept_bf16)}
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}

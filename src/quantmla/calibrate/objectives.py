@@ -20,7 +20,8 @@ from torch import nn
 
 from quantmla.formats.scheme import PathFormat
 from quantmla.measure.attention import run_attention
-from quantmla.measure.capture import AttentionCall, capture_attention_call
+from quantmla.measure.capture import AttentionCall
+from quantmla.measure.layer_inputs import LayerInputs, ModelInputs
 from quantmla.models.adapter import MLAAdapter
 from quantmla.models.latent import absorbed_attention, module_state
 
@@ -51,12 +52,12 @@ class LayerBatch:
 
 
 @torch.no_grad()
-def collect(model: nn.Module, index: int, windows: torch.Tensor, batch_size: int) -> list[LayerBatch]:
-    """Capture attention module ``index``'s inputs and clean tensors for ``windows [N, T]``."""
-    device = next(model.parameters()).device
+def collect(source: nn.Module | LayerInputs, index: int, windows: torch.Tensor, batch_size: int) -> list[LayerBatch]:
+    """Capture attention module ``index``'s inputs and clean tensors for ``windows [N, T]``: from a model in memory,
+    or from a :class:`~quantmla.measure.layer_inputs.StreamedInputs` at that layer."""
+    inputs = ModelInputs(source) if isinstance(source, nn.Module) else source
     out = []
-    for i in range(0, len(windows), batch_size):
-        call = capture_attention_call(model, index, windows[i : i + batch_size].to(device))
+    for call in inputs.attention_calls(index, windows, batch_size):
         state = module_state(call.module)
         if state is None:
             raise ValueError(f"attention module {index} has no latent attention; call enable_latent_attention first")

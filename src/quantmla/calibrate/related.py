@@ -20,7 +20,7 @@ from quantmla.calibrate.layer_alloc import allocate, layer_menu, menu_options
 from quantmla.calibrate.methods import LearnConfig
 from quantmla.calibrate.objectives import collect, latent_gain
 from quantmla.calibrate.raq import RaqConfig, fit_path
-from quantmla.calibrate.rope_energy import allocated_formats, rope_block_scores
+from quantmla.calibrate.rope_energy import allocated_formats, layer_block_scores, rope_block_scores
 from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.formats.scheme import PathFormat, parse_scheme
 
@@ -46,7 +46,7 @@ def check_codec_scheme(method: str, scheme: str) -> None:
         )
 
 
-def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None):
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None, inputs=None):
     """``(codec, per-layer report rows, content transforms to fuse, allocation report)`` of ``cfg.method`` (one
     of :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations, the
     allocation report ``None`` except for ``raq-alloc``.
@@ -54,13 +54,23 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
     ``long_windows``: ``(train, held-out)`` windows at the served context (``cfg.model_seq_len``), on which
     RAQ-MLA fits its post-RoPE transform: a key after RoPE depends on its position, and a transform fitted on
     short windows has not seen the angles of the later positions; ``raq-alloc`` measures its held-out KL on
-    the held-out ones."""
+    the held-out ones.
+
+    ``inputs``: the attention inputs of ``modules`` (a :class:`~quantmla.measure.layer_inputs.StreamedInputs` at
+    their layer), ``None``: ``model`` run from the embedding. ``raq-alloc`` allocates through the whole model
+    and needs ``None``."""
     scheme = parse_scheme(cfg.scheme)
     rows, layers, fused = [], {}, {}
+    source = model if inputs is None else inputs
+    if cfg.method == "raq-alloc" and inputs is not None:
+        raise ValueError("raq-alloc allocates formats by the whole model's held-out KL: it needs the model in memory")
     if cfg.method == "blockgtq":
         d_r = modules[0][1].qk_rope_head_dim
         pairs = adapter.rope_layout(model.config).cache_pairs(d_r)
-        scores = rope_block_scores(model, train_w, cfg.batch_size)
+        if inputs is None:
+            scores = rope_block_scores(model, train_w, cfg.batch_size)
+        else:
+            scores = {idx: layer_block_scores(inputs, idx, train_w, cfg.batch_size, pairs) for idx, _ in modules}
         formats = allocated_formats(scores, pairs, scheme.rope.bits)
         for idx, _ in modules:
             fmt = formats[idx]
@@ -70,8 +80,8 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
         learn_cfg = LearnConfig(cfg.steps, cfg.lr)
         for idx, attn in tqdm(modules, desc=f"calibrate rolaq {cfg.scheme}", unit="layer", disable=not progress):
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + idx)
-            train = collect(model, idx, train_w, cfg.batch_size)
-            val = collect(model, idx, val_w, cfg.batch_size)
+            train = collect(source, idx, train_w, cfg.batch_size)
+            val = collect(source, idx, val_w, cfg.batch_size)
             g = latent_gain(adapter, attn)
             fused[idx], ratios, gains, info = rolaq.fit_layer(train, val, adapter, attn, g, scheme.content,
                                                               cfg.group_size, learn_cfg, gen)  # fmt: skip
@@ -83,7 +93,7 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
         codec, rows, report = _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_windows)
         return codec, rows, fused, report
     else:
-        fits = _raq_fits(model, modules, train_w, val_w, cfg, scheme.content, scheme.rope, cfg.paths, progress,
+        fits = _raq_fits(source, modules, train_w, val_w, cfg, scheme.content, scheme.rope, cfg.paths, progress,
                          long_windows)  # fmt: skip
         for (idx, _), paths in zip(modules, fits, strict=True):
             layers[idx] = LayerCodec(paths["content"][0], paths["rope"][0])

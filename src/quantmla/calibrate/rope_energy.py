@@ -15,10 +15,16 @@ import torch
 from torch import nn
 
 from quantmla.formats.scheme import PathFormat
+from quantmla.measure.attention import run_attention
 from quantmla.measure.simulate import installed
 from quantmla.models.adapter import get_adapter
 from quantmla.models.expanded import expanded_latent_attention
-from quantmla.models.latent import enable_latent_attention, is_latent_attention_enabled, module_states
+from quantmla.models.latent import (
+    enable_latent_attention,
+    is_latent_attention_enabled,
+    module_state,
+    module_states,
+)
 from quantmla.quant.allocate import greedy_allocation
 from quantmla.quant.mixed import pair_channel_bits
 
@@ -67,6 +73,18 @@ def rope_block_scores(model: nn.Module, windows: torch.Tensor, batch_size: int =
         for start in range(0, windows.shape[0], batch_size):
             model(windows[start : start + batch_size].to(device), use_cache=False)
     return {idx: probe.scores(keys_only) for (idx, _), probe in zip(modules, probes, strict=True)}
+
+
+@torch.no_grad()
+def layer_block_scores(inputs, index: int, windows: torch.Tensor, batch_size: int, pairs: torch.Tensor,
+                       keys_only: bool = False) -> torch.Tensor:  # fmt: skip
+    """Layer ``index``'s scores of :func:`rope_block_scores`, its attention calls taken from ``inputs`` (a
+    :class:`~quantmla.measure.layer_inputs.StreamedInputs` at that layer): the same calls, so the same scores."""
+    probe = _EnergyProbe(pairs)
+    for call in inputs.attention_calls(index, windows, batch_size):
+        with installed([module_state(call.module)], [probe]):
+            run_attention(call)
+    return probe.scores(keys_only)
 
 
 def allocated_formats(scores: dict[int, torch.Tensor], pairs: torch.Tensor, mean_bits: int, min_bits: int = 1,

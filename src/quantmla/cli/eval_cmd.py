@@ -16,11 +16,13 @@ from quantmla.cli.errors import check_out, internal_errors, user_errors
 from quantmla.formats.codec import scheme_name
 from quantmla.models.loading import (
     DEFAULT_MODEL,
+    Placement,
     dtype_name,
     inspect_model,
     load,
     load_text,
     load_tokenizer,
+    parse_max_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -29,6 +31,38 @@ logger = logging.getLogger(__name__)
 app = typer.Typer(no_args_is_help=True, help="Evaluate a model under a quantised latent cache.")
 
 DEVICE_DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE_MAP_HELP = ("auto: spread the model over the GPUs, then the host, then disk (accelerate), for a model larger"
+                   " than one device; instead of --device.")  # fmt: skip
+MAX_MEMORY_HELP = "With --device-map: memory per device, e.g. 0=70GiB,cpu=200GiB (the rest goes to disk)."
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a command runs the model: its placement, the device its dtype is chosen for, and a label."""
+
+    placement: Placement
+    device: torch.device
+
+    @property
+    def label(self) -> str:
+        if self.placement.device_map is None:
+            return str(self.device)
+        return f"device_map={self.placement.device_map}"
+
+
+def where_of(device: str, device_map: str | None, max_memory: str | None) -> Where:
+    """The placement the options ask for: ``--device``, or ``--device-map`` (and ``--max-memory``)."""
+    if device_map is None:
+        if max_memory is not None:
+            raise ValueError("--max-memory applies to --device-map auto")
+        one = resolve_device(device)
+        return Where(Placement(str(one)), one)
+    if device != DEVICE_DEFAULT:
+        raise ValueError(f"give --device ({device}) or --device-map ({device_map}), not both")
+    placement = Placement(device_map=device_map, max_memory=parse_max_memory(max_memory))
+    return Where(placement, placement.compute_device)
+
+
 #: tokens `eval ppl` evaluates by default, in windows spread over the text: under a minute a scheme on 2 CPU cores
 #: with the bundled model (`--all` for every window)
 SUBSET_TOKENS = 24576
@@ -149,6 +183,8 @@ def ppl(
     column: str = typer.Option("text", help="Text column of --dataset."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    device_map: str = typer.Option(None, "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Perplexity with the cache as decode sees it (sinks and the last `recent` tokens unquantised)."""
@@ -156,7 +192,8 @@ def ppl(
     from quantmla.measure import tokens
 
     with user_errors():  # everything but the forwards is checked before a weight is read
-        dev = resolve_device(device)
+        where = where_of(device, device_map, max_memory)
+        dev = where.device
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
         cs = cache_settings(src.meta, scheme, sink, recent, group_size, no_sink_recent, src.codec)
@@ -181,17 +218,17 @@ def ppl(
         body = load_text(text, dataset, split, column)
         tokens.select_windows(tokens.all_windows(load_tokenizer(src), body, seq_len), n, subset)  # enough text
     with internal_errors("eval ppl"):
-        m, tok = load(src, dtype=torch_dtype, device=dev)
+        m, tok = load(src, dtype=torch_dtype, device=dev, placement=where.placement)
         results = [perplexity(m, tok, body, c, progress=True) for c in cfgs]
     if as_json:
-        out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev)}
+        out = {"model": model, "dtype": dtype_name(torch_dtype), "device": where.label}
         typer.echo(json.dumps(out | {"results": [r.to_dict() for r in results]}, indent=2))
         return
     src_text = str(text or dataset or f"bundled {split} split")
     r0 = results[0]
     which = "spread over" if subset else "the first of" if num_seqs is not None else "all of"
     title = (
-        f"{model} in {dtype_name(torch_dtype)} on {dev}: perplexity on {src_text}, {r0.sequences} x {seq_len}"
+        f"{model} in {dtype_name(torch_dtype)} on {where.label}: perplexity on {src_text}, {r0.sequences} x {seq_len}"
         f" tokens ({which} its {r0.total_windows} windows{'; --all for every window' if subset else ''})"
     )
     console = Console()
@@ -227,13 +264,16 @@ def niah(
     out: Path = typer.Option(None, "--out", help="Write niah.json and one heat map PNG per scheme here."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    device_map: str = typer.Option(None, "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
     from quantmla.eval.niah import NiahConfig, accuracy, examples, heatmap, run_niah
 
     with user_errors():
-        dev = resolve_device(device)
+        where = where_of(device, device_map, max_memory)
+        dev = where.device
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
         cs = cache_settings(src.meta, scheme, sink, recent, group_size, codec=src.codec)
@@ -251,9 +291,9 @@ def niah(
         body = load_text(text, None, "test", "text")
         exs = examples(load_tokenizer(src), body, cfg)  # every prompt fits its length
     with internal_errors("eval niah"):
-        m, tok = load(src, dtype=torch_dtype, device=dev)
+        m, tok = load(src, dtype=torch_dtype, device=dev, placement=where.placement)
         rows = run_niah(m, tok, body, list(cs.schemes), cfg, progress=not as_json, exs=exs)
-    result = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "config": cfg.__dict__,
+    result = {"model": model, "dtype": dtype_name(torch_dtype), "device": where.label, "config": cfg.__dict__,
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
     if out is not None:
@@ -265,8 +305,8 @@ def niah(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
-    t = Table(title=f"{model} in {dtype_name(torch_dtype)} on {dev}: NIAH exact match, {cfg.num_examples} per cell, "
-              f"depths {','.join(map(str, cfg.depths))}%, sink {cfg.sink} + recent {cfg.recent}")  # fmt: skip
+    t = Table(title=f"{model} in {dtype_name(torch_dtype)} on {where.label}: NIAH exact match, {cfg.num_examples} per"
+              f" cell, depths {','.join(map(str, cfg.depths))}%, sink {cfg.sink} + recent {cfg.recent}")  # fmt: skip
     t.add_column("scheme")
     t.add_column("task")
     for n in cfg.lengths:
@@ -303,13 +343,16 @@ def lm_eval_cmd(
     seed: int = typer.Option(0, help="Seed of lm-eval's sampling and few-shot choice."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    device_map: str = typer.Option(None, "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """lm-eval tasks (``HFLM``) with the quantised cache: log-likelihoods and generations both read it."""
     from quantmla.eval.lm_eval_adapter import LmEvalCache, lm_eval_model, run_lm_eval, task_manager
 
     with user_errors():
-        dev = resolve_device(device)
+        where = where_of(device, device_map, max_memory)
+        dev = where.device
         torch_dtype = resolve_dtype(dtype, dev)
         src = inspect_model(model)
         cs = cache_settings(src.meta, scheme, sink, recent, group_size, codec=src.codec)
@@ -323,7 +366,7 @@ def lm_eval_cmd(
         caches = [LmEvalCache(scheme=s, group_size=cs.group_size, sink=cs.sink, recent=cs.recent) for s in cs.schemes]
         manager = task_manager(task_names, str(include_path) if include_path else None)  # the tasks exist
     with internal_errors("eval lm-eval"):
-        m, tok = load(src, dtype=torch_dtype, device=dev)
+        m, tok = load(src, dtype=torch_dtype, device=dev, placement=where.placement)
         runs = {}
         for c in caches:
             lm = lm_eval_model(m, tok, c, batch_size=batch_size)
@@ -331,13 +374,13 @@ def lm_eval_cmd(
             runs[scheme_name(c.scheme)] = run_lm_eval(lm, task_names, manager=manager, limit=lim,
                                                       num_fewshot=num_fewshot, seed=seed)  # fmt: skip
     caches_json = [c.__dict__ | {"scheme": scheme_name(c.scheme)} for c in caches]
-    out = {"model": model, "dtype": dtype_name(torch_dtype), "device": str(dev), "limit": limit,
+    out = {"model": model, "dtype": dtype_name(torch_dtype), "device": where.label, "limit": limit,
            "caches": caches_json, "runs": runs}  # fmt: skip
     if as_json:
         typer.echo(json.dumps(out, indent=2, default=str))
         return
     t = Table(
-        title=f"{model} in {dtype_name(torch_dtype)} on {dev}: lm-eval"
+        title=f"{model} in {dtype_name(torch_dtype)} on {where.label}: lm-eval"
         f"{'' if limit is None else f', limit {limit}'}, sink {caches[0].sink} + recent {caches[0].recent}"
     )
     for col in ("scheme", "task", "metric", "value", "stderr"):

@@ -11,7 +11,7 @@ from rich.console import Console
 from quantmla import __version__
 from quantmla.cli import eval_cmd
 from quantmla.cli.errors import check_cache, check_out, internal_errors, parse_layers, user_errors
-from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DTYPE_HELP
+from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DEVICE_MAP_HELP, DTYPE_HELP, MAX_MEMORY_HELP, where_of
 from quantmla.models import loading
 
 app = typer.Typer(
@@ -93,6 +93,8 @@ def analyze(
     out: Path = typer.Option(None, "--out", help="Write analysis.json, analysis.csv and analysis.png here."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    device_map: str = typer.Option(None, "--device-map", help=DEVICE_MAP_HELP),
+    max_memory: str = typer.Option(None, "--max-memory", help=MAX_MEMORY_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Dual-path sensitivity: how much each cached path (content latent, RoPE key) moves the attention output."""
@@ -105,7 +107,8 @@ def analyze(
     with user_errors():  # everything but the forwards is checked before a weight is read
         if shape not in shapes:
             raise ValueError(f"--shape {shape!r} unknown; valid: gaussian, quant, both")
-        dev = loading.resolve_device(device)
+        where = where_of(device, device_map, max_memory)
+        dev = where.device
         torch_dtype = loading.resolve_dtype(dtype, dev)
         cfg = AnalysisConfig(
             shapes=shapes[shape], quantizer=quantizer, nmse=nmse, probes=probes, batch_size=batch_size, seed=seed
@@ -119,10 +122,10 @@ def analyze(
         body = loading.load_text(text, dataset, split)
         windows = token_windows(loading.load_tokenizer(src), body, seq_len, num_seqs)
     with internal_errors("analyze"):
-        m, _ = loading.load(src, dtype=torch_dtype, device=dev)
+        m, _ = loading.load(src, dtype=torch_dtype, device=dev, placement=where.placement)
         report = run_analysis(m, windows, cfg, layers=idx, progress=True)
     title = (
-        f"{model} in {loading.dtype_name(torch_dtype)} on {dev}: responses at cache NMSE {nmse}"
+        f"{model} in {loading.dtype_name(torch_dtype)} on {where.label}: responses at cache NMSE {nmse}"
         f" ({num_seqs} x {seq_len} tokens)"
     )
     if out is not None:
@@ -188,6 +191,21 @@ def calibrate(
     split: str = typer.Option("validation", help="Split of --dataset or of the bundled text."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
+    sequential: bool = typer.Option(
+        False,
+        "--sequential",
+        help="Layer by layer from the checkpoint's shards: one decoder layer on the device at a time, each layer's "
+        "inputs computed once (for models larger than the device; DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash).",
+    ),
+    offload: str = typer.Option(
+        None, help="With --sequential: where the calibration windows' hidden states wait between layers: cpu, disk."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --sequential: continue an interrupted run from its work directory."
+    ),
+    work_dir: Path = typer.Option(
+        None, "--work-dir", help="With --sequential: per-layer results (default: .OUT.quantmla-work beside --out)."
+    ),
 ) -> None:
     """Learn (or set) fusable per-path transforms, fuse them into the weights, export a model directory."""
     import torch
@@ -195,6 +213,7 @@ def calibrate(
 
     from quantmla.calibrate import CalibrationConfig, calibrate_model
     from quantmla.calibrate.api import calibration_windows, export_changed
+    from quantmla.calibrate.streamed import StreamConfig, prepare_streamed, run_streamed
 
     if no_sink_recent:
         sink, recent = 0, 0
@@ -212,12 +231,24 @@ def calibrate(
         if keep_bf16 and src.fp8 is None:
             raise ValueError(f"--keep-bf16 applies to an FP8 checkpoint; {src.path} is unquantised")
         check_cache(src, cfg.scheme, cfg.group_size)
+        if not sequential and (offload is not None or resume or work_dir is not None):
+            raise ValueError("--offload, --resume and --work-dir apply to --sequential calibration")
         body = loading.load_text(text, dataset, split)
         train_w, val_w, _ = calibration_windows(loading.load_tokenizer(src), body, cfg)  # enough text for the windows
+        top, vocab = int(torch.cat([train_w, val_w]).max()), src.config.vocab_size
+        if top >= vocab:
+            raise ValueError(f"the tokenizer of {src.path} gives token id {top}, beyond the model's vocab_size"
+                             f" {vocab}: it is not this model's tokenizer")  # fmt: skip
+        if sequential:
+            stream = StreamConfig(str(dev), loading.dtype_name(torch_dtype), offload or "cpu", work_dir, resume)
+            run = prepare_streamed(src, torch.cat([train_w, val_w]), out, stream=stream, **kwargs)
     with internal_errors("calibrate"):
-        m, tok = loading.load(src, dtype=torch_dtype, device=dev)
-        m, report = calibrate_model(m, tok, torch.cat([train_w, val_w]), **kwargs)
-        wrote = export_changed(m, src.path, out, report, copy=copy, keep_bf16=keep_bf16)
+        if sequential:
+            report, wrote = run_streamed(run, copy=copy, keep_bf16=keep_bf16)
+        else:
+            m, tok = loading.load(src, dtype=torch_dtype, device=dev)
+            m, report = calibrate_model(m, tok, torch.cat([train_w, val_w]), **kwargs)
+            wrote = export_changed(m, src.path, out, report, copy=copy, keep_bf16=keep_bf16)
     t = Table(
         title=f"{method} {scheme} ({loading.dtype_name(torch_dtype)} on {dev}): held-out error per layer"
         " (before -> after)"

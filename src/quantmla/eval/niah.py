@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.formats.codec import ModelCodec, scheme_name
+from quantmla.measure.progress import layer_postfix
 
 TASKS = ("niah-1", "niah-2", "niah-3", "niah-mk")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -187,7 +188,10 @@ def run_niah(
     exs = examples(tokenizer, corpus, cfg) if exs is None else exs
     dev = next(model.parameters()).device
     rows = []
-    with tqdm(total=len(exs) * len(schemes), desc="NIAH", unit="example", disable=not progress) as bar:
+    with (
+        tqdm(total=len(exs) * len(schemes), desc="NIAH", unit="example", disable=not progress) as bar,
+        layer_postfix(model, bar),
+    ):
         for scheme in schemes:
             for ex in exs:
                 ids = torch.tensor([ex.prompt_ids], device=dev)

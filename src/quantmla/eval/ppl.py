@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from quantmla.cache import LatentCacheConfig, QuantizedLatentCache
 from quantmla.formats.codec import ModelCodec, is_quantized, model_codec, scheme_name
 from quantmla.formats.scheme import parse_scheme
+from quantmla.measure.progress import layer_postfix
 from quantmla.measure.simulate import simulated_decode
 from quantmla.measure.tokens import all_windows, select_windows
 from quantmla.models.adapter import get_adapter
@@ -186,20 +187,22 @@ def perplexity(model, tokenizer, text: str, cfg: PerplexityConfig, progress: boo
     device = param.device
     total, count, kl_sum, per_window = 0.0, 0, 0.0, []
     batches = range(0, len(windows), cfg.batch_size)
-    for start in tqdm(batches, desc=f"ppl {scheme_name(cfg.scheme)}", disable=not progress, unit="batch"):
-        x = windows[start : start + cfg.batch_size].to(device)
-        with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
-            logits = _at_least_float32(model(x, use_cache=False).logits)
-        nll = _next_token_nll(logits, x).double().sum(1)
-        per_window += nll.tolist()
-        nll = nll.sum()
-        total += float(nll)
-        count += x[:, 1:].numel()
-        if cfg.kl:  # the reference: every key as computed (the simulation's one causal pass)
-            with simulated_decode(model, "bf16", cfg.group_size, cfg.sink, cfg.recent):
-                ref = torch.log_softmax(_at_least_float32(model(x, use_cache=False).logits)[:, :-1], -1)
-            out = torch.log_softmax(logits[:, :-1], -1)
-            kl_sum += float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="sum"))
+    bar = tqdm(batches, desc=f"ppl {scheme_name(cfg.scheme)}", disable=not progress, unit="batch")
+    with layer_postfix(model, bar):
+        for start in bar:
+            x = windows[start : start + cfg.batch_size].to(device)
+            with simulated_decode(model, cfg.scheme, cfg.group_size, cfg.sink, cfg.recent):
+                logits = _at_least_float32(model(x, use_cache=False).logits)
+            nll = _next_token_nll(logits, x).double().sum(1)
+            per_window += nll.tolist()
+            nll = nll.sum()
+            total += float(nll)
+            count += x[:, 1:].numel()
+            if cfg.kl:  # the reference: every key as computed (the simulation's one causal pass)
+                with simulated_decode(model, "bf16", cfg.group_size, cfg.sink, cfg.recent):
+                    ref = torch.log_softmax(_at_least_float32(model(x, use_cache=False).logits)[:, :-1], -1)
+                out = torch.log_softmax(logits[:, :-1], -1)
+                kl_sum += float(torch.nn.functional.kl_div(out, ref, log_target=True, reduction="sum"))
     nll = total / count
     first = windows[:1].to(device)
     bpt, backend = cache_bytes_per_token(model, first, cfg.scheme, cfg)

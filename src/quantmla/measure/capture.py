@@ -37,13 +37,8 @@ class AttentionCall:
         return AttentionCall(self.module, mv(self.args), {k: mv(v) for k, v in self.kwargs.items()})
 
 
-@torch.no_grad()
-def capture_attention_call(model: nn.Module, cache_index: int, input_ids: torch.Tensor) -> AttentionCall:
-    """Run ``model`` on ``input_ids`` up to attention module ``cache_index`` and return its inputs."""
-    modules = dict(get_adapter(model).attention_modules(model))
-    if cache_index not in modules:
-        raise ValueError(f"no attention module with cache index {cache_index}; valid: {sorted(modules)}")
-    module = modules[cache_index]
+def capture_call(module: nn.Module, forward) -> AttentionCall:
+    """The arguments of ``module``'s first call while ``forward()`` runs; the forward stops there."""
     seen: dict = {}
 
     def hook(mod, args, kwargs):
@@ -52,11 +47,21 @@ def capture_attention_call(model: nn.Module, cache_index: int, input_ids: torch.
 
     handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        model(input_ids, use_cache=False)
+        with torch.no_grad():
+            forward()
     except _Stop:
         pass
     finally:
         handle.remove()
     if "call" not in seen:
-        raise RuntimeError(f"attention module {cache_index} was not called by the forward")
+        raise RuntimeError(f"{type(module).__name__} was not called by the forward")
     return seen["call"]
+
+
+@torch.no_grad()
+def capture_attention_call(model: nn.Module, cache_index: int, input_ids: torch.Tensor) -> AttentionCall:
+    """Run ``model`` on ``input_ids`` up to attention module ``cache_index`` and return its inputs."""
+    modules = dict(get_adapter(model).attention_modules(model))
+    if cache_index not in modules:
+        raise ValueError(f"no attention module with cache index {cache_index}; valid: {sorted(modules)}")
+    return capture_call(modules[cache_index], lambda: model(input_ids, use_cache=False))

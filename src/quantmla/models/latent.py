@@ -22,6 +22,8 @@ explicitly (``cache.decode_backend(layer_idx)``), never through attributes set o
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +128,26 @@ def latent_attention_forward(
         )
     if dropout and module.training:
         raise NotImplementedError("latent attention is an inference path: attention dropout is not supported")
+    with onloaded(state.adapter.kv_b_proj(module)):  # its weights are read here, its forward never runs
+        return _latent_attention(module, state, query, key, value, attention_mask, scaling, **kwargs)
+
+
+@contextmanager
+def onloaded(module: nn.Module) -> Iterator[None]:
+    """Within the block, the weights of ``module`` are on its execution device even if accelerate offloads them
+    (its hook loads them when the module's forward runs; latent attention reads them without that forward)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        yield
+        return
+    hook.pre_forward(module)
+    try:
+        yield
+    finally:
+        hook.post_forward(module, None)
+
+
+def _latent_attention(module, state, query, key, value, attention_mask, scaling, **kwargs):
     adapter = state.adapter
     nope = module.qk_nope_head_dim
     q_nope, q_pe = query[..., :nope], query[..., nope:]

@@ -219,11 +219,75 @@ def inspect_model(name_or_path: str | Path | ModelSource) -> ModelSource:
     return ModelSource(path, config, meta, codec, fp8)
 
 
+#: ``device_map`` values :func:`load_model` takes (accelerate's placement: the GPUs, then the host, then disk)
+DEVICE_MAPS = ("auto",)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's weights go: one ``device``, or accelerate's ``device_map`` (``auto``) within ``max_memory``
+    (``{"cpu": "20GiB", 0: "70GiB"}``; what does not fit goes to disk, in ``offload_folder``)."""
+
+    device: str = "cpu"
+    device_map: str | None = None
+    max_memory: dict | None = None
+    offload_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_map is None:
+            if self.max_memory is not None:
+                raise ValueError("max_memory applies to device_map='auto'")
+            resolve_device(self.device)
+            return
+        if self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"device_map={self.device_map!r}; valid: {', '.join(DEVICE_MAPS)}")
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            raise ValueError("device_map='auto' needs accelerate: pip install 'quantmla[eval]'") from None
+        for key, size in (self.max_memory or {}).items():
+            n = torch.cuda.device_count()
+            if key not in ("cpu", "disk") and not (isinstance(key, int) and 0 <= key < n):
+                valid = ", ".join(["cpu", "disk", *map(str, range(n))])
+                raise ValueError(f"max_memory key {key!r}; valid: {valid}")
+            _size_bytes(size)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The device the dtype is chosen for: the first GPU of a device map if there is one."""
+        if self.device_map is None:
+            return resolve_device(self.device)
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def parse_max_memory(text: str | None) -> dict | None:
+    """``"0=70GiB,cpu=200GiB"`` -> ``{0: "70GiB", "cpu": "200GiB"}`` (GPU indices as ints)."""
+    if not text:
+        return None
+    out: dict = {}
+    for part in text.split(","):
+        key, sep, size = part.strip().partition("=")
+        if not sep or not size:
+            raise ValueError(f"--max-memory entry {part!r}: DEVICE=SIZE, e.g. 0=70GiB,cpu=200GiB")
+        out[int(key) if key.isdigit() else key] = size
+    return out
+
+
+def _size_bytes(size) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    try:
+        return convert_file_size_to_int(size)
+    except ValueError:
+        raise ValueError(f"max_memory size {size!r}: a number of bytes or e.g. 200MiB, 70GiB") from None
+
+
 def load(
     name_or_path: str | Path | ModelSource = DEFAULT_MODEL,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    placement: Placement | None = None,
 ):
     """Load ``(model, tokenizer)`` in eval mode; the model must be a supported MLA architecture.
 
@@ -237,7 +301,7 @@ def load(
     (:mod:`quantmla.models.fp8_checkpoint`).
     """
     src = inspect_model(name_or_path)
-    model = load_model(src, dtype, device, attn_implementation)
+    model = load_model(src, dtype, device, attn_implementation, placement)
     return model, load_tokenizer(src)
 
 
@@ -246,8 +310,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    placement: Placement | None = None,
 ):
-    """The model of :func:`load` alone (no tokenizer)."""
+    """The model of :func:`load` alone (no tokenizer). ``placement``: accelerate's device map instead of
+    ``device`` (a model larger than one device: its layers spread over the GPUs, the host and disk)."""
+    if placement is not None and placement.device_map is not None:
+        return _load_mapped(inspect_model(name_or_path), dtype, attn_implementation, placement)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     src = inspect_model(name_or_path)
@@ -274,6 +342,32 @@ def load_model(
             src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
         ).to(dev)
     model.quantmla_meta = src.meta  # the exported cache scheme, if the directory has one
+    return model.eval()
+
+
+def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: Placement):
+    """``src`` placed by accelerate's device map (an FP8 checkpoint dequantised in host memory first)."""
+    import copy
+    import tempfile
+    from collections import Counter
+
+    torch_dtype = resolve_dtype(dtype, placement.compute_device)
+    offload = placement.offload_folder or tempfile.mkdtemp(prefix="quantmla-offload-")
+    kw = dict(dtype=torch_dtype, attn_implementation=attn_implementation, device_map=placement.device_map,
+              max_memory=placement.max_memory, offload_folder=offload)  # fmt: skip
+    if src.fp8 is not None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = copy.deepcopy(src.config)
+        del config.quantization_config
+        state = read_state_dict(src.path, src.fp8, torch_dtype)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, config=src.config, **kw)
+    where = Counter(str(v) for v in getattr(model, "hf_device_map", {}).values())
+    logger.info("loaded %s in %s with device_map=%s: modules on %s (offload folder %s)", src.path,
+                dtype_name(torch_dtype), placement.device_map, dict(where), offload)  # fmt: skip
+    model.quantmla_meta = src.meta
     return model.eval()
 
 

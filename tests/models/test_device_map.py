@@ -1,0 +1,68 @@
+"""Models larger than one device: accelerate's device map (GPUs, then the host, then disk) through
+``quantmla.models.loading``; latent attention reads the offloaded up-projection through its hook. On CPU the map
+puts layers on disk when ``max_memory`` is small: the same perplexity as the model in memory."""
+
+import pytest
+import torch
+
+from fp8_checkpoints import write_v3_fp8_checkpoint
+from quantmla.eval.ppl import PerplexityConfig, perplexity
+from quantmla.models.loading import Placement, builtin_text, load, load_model, parse_max_memory
+
+pytest.importorskip("accelerate")
+
+
+def test_a_disk_offloaded_model_gives_the_same_perplexity():
+    cfg = PerplexityConfig(scheme="c4r4", seq_len=256, num_seqs=2, batch_size=2)
+    model, tok = load("builtin:tiny-mla")
+    want = perplexity(model, tok, builtin_text(), cfg, progress=False)
+    mapped, _ = load("builtin:tiny-mla", placement=Placement(device_map="auto", max_memory={"cpu": "20MiB"}))
+    assert "disk" in set(mapped.hf_device_map.values())  # some layers wait on disk
+    got = perplexity(mapped, tok, builtin_text(), cfg, progress=False)
+    assert got.ppl == pytest.approx(want.ppl, rel=1e-6) and got.bytes_per_token == want.bytes_per_token
+
+
+def test_an_fp8_checkpoint_loads_with_a_device_map(tmp_path):
+    src = write_v3_fp8_checkpoint(tmp_path / "src", layers=2)
+    x = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = load_model(src, dtype="float32")(x).logits
+        got = load_model(src, dtype="float32", placement=Placement(device_map="auto"))(x).logits
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(device_map="balanced"), "device_map='balanced'; valid: auto"),
+        (dict(max_memory={"cpu": "1GiB"}), "max_memory applies to device_map='auto'"),
+        (dict(device_map="auto", max_memory={"gpu0": "1GiB"}), "max_memory key 'gpu0'"),
+        (dict(device_map="auto", max_memory={"cpu": "lots"}), "max_memory size 'lots'"),
+    ],
+)
+def test_a_bad_placement_is_one_clear_error(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        Placement(**kwargs)
+
+
+def test_max_memory_text():
+    assert parse_max_memory("0=70GiB,cpu=200GiB") == {0: "70GiB", "cpu": "200GiB"}
+    with pytest.raises(ValueError, match="DEVICE=SIZE"):
+        parse_max_memory("70GiB")
+
+
+def test_the_progress_bar_says_which_layer_runs():
+    from tqdm.auto import tqdm
+
+    from quantmla.measure.progress import layer_postfix
+
+    model, _ = load("builtin:tiny-mla")
+    seen = []
+    bar = tqdm(total=1, disable=False)
+    bar.set_postfix_str = lambda text, refresh=True: seen.append(text)
+    with layer_postfix(model, bar), torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    n = model.config.num_hidden_layers
+    assert seen == [f"layer {i}/{n}" for i in range(1, n + 1)]
+    model(torch.tensor([[5]]))  # the hooks are gone after the block
+    assert len(seen) == n
