@@ -74,7 +74,7 @@ class StreamedInputs:
     ``scratch`` (a temporary directory by default), read back one batch at a time.
     """
 
-    embedding: nn.Module
+    embedding: nn.Module | None
     windows: list[torch.Tensor]
     batch_size: int
     offload: str = "cpu"
@@ -107,6 +107,7 @@ class StreamedInputs:
                 kw = {k: v for k, v in call.kwargs.items() if k not in ("past_key_values", "cache", "use_cache")}
                 kwargs.append(_move(kw, "cpu"))
             self._states[key], self._kwargs[key] = states, kwargs
+        self.embedding = None  # its work is done: the embedding and output layers need not stay on the device
 
     def _store(self, key: str, b: int, hidden: torch.Tensor):
         if self.offload == "cpu":
