@@ -20,11 +20,12 @@ def bundled():
 
 def test_examples_are_deterministic_and_the_needle_sits_at_its_depth(bundled):
     _, tok = bundled
-    cfg = NiahConfig(tasks=("niah-1", "niah-2", "niah-3", "niah-mk"), lengths=(256, 512), depths=(0, 50, 100))
+    cfg = NiahConfig(tasks=("niah-1", "niah-2", "niah-3", "niah-mk"), lengths=(256, 512), depths=(0, 50, 100),
+                     templates="legacy")  # fmt: skip
     a, b = examples(tok, builtin_text("test"), cfg), examples(tok, builtin_text("test"), cfg)
     assert [e.prompt_ids for e in a] == [e.prompt_ids for e in b] and len(a) == 4 * 2 * 3 * 2
     other = examples(tok, builtin_text("test"), NiahConfig(tasks=cfg.tasks, lengths=cfg.lengths, depths=cfg.depths,
-                                                           seed=1))  # fmt: skip
+                                                           seed=1, templates="legacy"))  # fmt: skip
     assert [e.prompt_ids for e in a] != [e.prompt_ids for e in other]
     for e in a:
         assert len(e.prompt_ids) == e.length
@@ -37,10 +38,37 @@ def test_examples_are_deterministic_and_the_needle_sits_at_its_depth(bundled):
     assert tok.decode(a[-1].prompt_ids).count("special magic numbers for") == 3  # niah-mk: three needles
 
 
+@pytest.mark.parametrize("which", ["heldout", "train"])
+def test_every_template_set_builds_its_examples(bundled, which):
+    import re
+
+    from quantmla.eval.needles import EVAL_TRAIN_KEYS, HELDOUT_WORDS, templates
+
+    _, tok = bundled
+    cfg = NiahConfig(tasks=("niah-1", "niah-3", "niah-mk"), lengths=(256, 512), depths=(0, 50, 100),
+                     num_examples=4, templates=which)  # fmt: skip
+    exs = examples(tok, builtin_text("test"), cfg)
+    by_name = {t.name: t for t in templates(which)}
+    assert {e.template for e in exs} == set(by_name) and {e.split for e in exs} == {which}  # every phrasing drawn
+    for e in exs:
+        t = by_name[e.template]
+        assert len(e.prompt_ids) == e.length
+        text = tok.decode(e.prompt_ids)
+        tail = re.split(r"\{[a-z_]+\}", t.question)[-1]  # the question's end, after its last placeholder
+        assert text.endswith(tail), (e.template, text[-80:])
+        needle = tok.decode(e.prompt_ids[e.needle_token :])
+        assert e.value in needle[:160], (e.template, needle[:160])
+        if e.task != "niah-mk":
+            assert e.needle_token == round(e.haystack_tokens * e.depth / 100)
+        # the keys: the evaluation's own, or two held-out words
+        keys = EVAL_TRAIN_KEYS if which == "train" else [f"{x}-{y}" for x in HELDOUT_WORDS for y in HELDOUT_WORDS]
+        assert any(k in needle[:200] or k.replace("-", "_") in needle[:200] for k in keys), needle[:200]
+
+
 def test_the_answer_is_greedy_decoding_through_the_cache(bundled, monkeypatch):
     # scheme bf16 stores every token unquantised: the answer is plain greedy decoding of the prompt
     model, tok = bundled
-    cfg = NiahConfig(lengths=(160,), depths=(50,), new_tokens=5)
+    cfg = NiahConfig(lengths=(160,), depths=(50,), new_tokens=5, templates="legacy")
     ex = examples(tok, builtin_text("test"), cfg)[0]
     ids = torch.tensor([ex.prompt_ids])
     got = answer(model, ids, "bf16", cfg)
@@ -80,6 +108,8 @@ def test_niah_command_writes_json_and_heat_maps(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert len(data["rows"]) == 2 * 2 * 2 and set(data["accuracy"]) == {"bf16", "c4r4"}
+    assert data["config"]["templates"] == "heldout" and {r["split"] for r in data["rows"]} == {"heldout"}
+    assert set(data["accuracy_by_templates"]["bf16"]) == {"heldout"}
     assert json.loads((tmp_path / "niah.json").read_text())["rows"] == data["rows"]
     for s in ("bf16", "c4r4"):
         assert (tmp_path / f"niah-{s}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -87,7 +117,8 @@ def test_niah_command_writes_json_and_heat_maps(tmp_path):
 
 @pytest.mark.parametrize(("args", "fragment"), [(["--tasks", "niah-9"], "valid: niah-1, niah-2, niah-3, niah-mk"),
                                                 (["--depths", "0,150"], "each a percent in 0..100"),
-                                                (["--lengths", "8192"], "max_position_embeddings=4096")])  # fmt: skip
+                                                (["--lengths", "8192"], "max_position_embeddings=4096"),
+                                                (["--templates", "mine"], "templates='mine'; valid:")])  # fmt: skip
 def test_bad_niah_input_is_one_line(args, fragment):
     res = CliRunner().invoke(app, ["eval", "niah", *args])
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
@@ -95,13 +126,23 @@ def test_bad_niah_input_is_one_line(args, fragment):
 
 
 def test_the_bundled_model_retrieves_and_long_values_are_not_cut(bundled):
-    """Model v2 retrieves (a model that cannot shows no cache damage), and the answer budget covers the value's
-    own tokens: a UUID-like value takes many BPE tokens, and a fixed budget cut it short (seen at 1K tokens)."""
+    """Model v2 retrieves in the needle sentence it was trained on (``legacy``), and the answer budget covers the
+    value's own tokens: a UUID-like value takes many BPE tokens, and a fixed budget cut it short (seen at 1K)."""
     from quantmla.eval.niah import run_niah
 
     model, tok = bundled
-    cfg = NiahConfig(tasks=("niah-1", "niah-3"), lengths=(512,), depths=(0, 50, 100))
+    cfg = NiahConfig(tasks=("niah-1", "niah-3"), lengths=(512,), depths=(0, 50, 100), templates="legacy")
     rows = run_niah(model, tok, builtin_text("test"), ["bf16"], cfg, progress=False)
     exs = examples(tok, builtin_text("test"), cfg)
     assert all(e.value_tokens > 6 for e in exs if e.task == "niah-3")  # more than a short budget would leave
     assert [r.correct for r in rows] == [True] * len(rows), [(r.value, r.output) for r in rows]
+
+
+def test_all_templates_are_reported_apart():
+    args = ["eval", "niah", "--scheme", "bf16", "--tasks", "niah-1", "--lengths", "192", "--depths", "0,50,100", "-n",
+            "4", "--templates", "all"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "templates all" in " ".join(res.output.split())
+    rows = [ln for ln in res.output.splitlines() if "niah-1" in ln]
+    assert any("heldout" in r for r in rows) and any("train" in r for r in rows), res.output

@@ -1,12 +1,13 @@
-"""The synthetic retrieval rows mixed into model v2's training: exact length, the needles and their answers
-where they should be, determinism, and keys disjoint from the NIAH evaluation's."""
+"""The synthetic retrieval rows mixed into the bundled model's training: exact length, the needles and their answers
+where they should be, every training template used, determinism, and nothing of the held-out evaluation (its
+templates, its key words, the keys asked with the training templates) in training."""
 
 from functools import partial
 
 import numpy as np
 import pytest
 
-from quantmla.eval import niah
+from quantmla.eval import needles
 from quantmla.models.loading import builtin_path
 from script_modules import load_script
 
@@ -20,33 +21,50 @@ def tok():
     return AutoTokenizer.from_pretrained(builtin_path("tiny-mla"))
 
 
+def _find(row: np.ndarray, part: np.ndarray, start: int = 0) -> int:
+    """Where ``part`` first occurs in ``row`` at or after ``start`` (-1: nowhere)."""
+    for i in range(start, len(row) - len(part) + 1):
+        if np.array_equal(row[i : i + len(part)], part):
+            return i
+    return -1
+
+
 def test_rows_have_the_length_their_needles_and_answers(tok):
     rm = _module()
     train = np.arange(2, 3000, dtype=np.uint16) % 8000 + 2
     mix = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1)
     rng = np.random.default_rng(0)
     for _ in range(20):
-        row = mix.row(rng)
-        assert row.shape == (1025,) and row.dtype == np.int64
-        text = tok.decode(row.tolist())
-        asked = text.split("\nWhat is the special magic number for ")[1:]
-        assert asked, "every row asks at least one question"
-        for q in asked:
-            key = q.split(" mentioned")[0]
-            value = q.split("provided text is: ")[1].split(".")[0]
-            # the asked needle is stated before the questions, with that value
-            assert f"for {key} is: {value}." in text.split("\nWhat is")[0]
+        row, stated, asked = mix.row_parts(rng)
+        assert row.shape == (1025,) and row.dtype == np.int64 and asked and set(asked) <= set(stated)
+        first_q = min(_find(row, mix.questions[i]) for i in asked)
+        for i in stated:  # every needle is stated before the questions
+            assert 0 <= _find(row, mix.needles[i]) < first_q, i
+        for i in asked:  # each asked question is followed by its answer
+            q = _find(row, mix.questions[i], first_q)
+            assert q >= 0 and np.array_equal(row[q + len(mix.questions[i]) :][: len(mix.answers[i])], mix.answers[i])
     again = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1)
     a, b = np.random.default_rng(5), np.random.default_rng(5)
     assert np.array_equal(mix.row(a), again.row(b))
 
 
-def test_training_keys_and_templates_match_the_evaluation_but_not_its_keys():
+def test_training_draws_every_training_template_and_nothing_held_out(tok):
     rm = _module()
-    eval_words = {w for k in niah.KEYS for w in k.split("-")}
-    assert not eval_words & set(rm.WORDS)
-    assert rm._needle("k", "1") == niah._needle("k", "1")
-    assert rm._question("k") == niah._question("k")
+    mix = rm.RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=512, seed=0)
+    train = {t.name for t in needles.templates("train")}
+    assert set(mix.templates) == train  # every training phrasing, none other
+    assert not train & {t.name for t in needles.templates("heldout")}
+    held_words = set(needles.HELDOUT_WORDS)
+    eval_words = {w for k in needles.EVAL_TRAIN_KEYS for w in k.split("-")}
+    assert not held_words & set(rm.WORDS) and not eval_words & set(rm.WORDS) and not eval_words & held_words
+    # no held-out template's fixed text (its words around the placeholders) occurs in a training template
+    import re
+
+    train_text = " ".join(t.needle + t.question for t in needles.templates("train"))
+    for t in needles.templates("heldout"):
+        for piece in re.split(r"\{[a-z_]+\}", t.needle + t.question):
+            if len(piece.strip()) >= 12:
+                assert piece.strip() not in train_text, (t.name, piece)
 
 
 def test_short_rows_are_refused(tok):

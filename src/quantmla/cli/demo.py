@@ -107,11 +107,12 @@ def generate_side_by_side(model, tokenizer, cfg: DemoConfig) -> list[GenerationR
 
 
 def needle_per_scheme(model, tokenizer, cfg: DemoConfig) -> list:
-    """One ``niah-3`` example (UUID-like value at 50% depth of a corpus haystack) answered under each scheme."""
+    """One ``niah-3`` example (UUID-like value at 50% depth of a corpus haystack) answered under each scheme, in the
+    needle sentence the bundled model was trained on (``templates="legacy"``)."""
     from quantmla.eval.niah import NiahConfig, run_niah
 
     ncfg = NiahConfig(tasks=("niah-3",), lengths=(cfg.needle_len,), depths=(50,), num_examples=1, seed=cfg.seed,
-                      group_size=cfg.group_size, sink=cfg.sink, recent=cfg.recent)  # fmt: skip
+                      group_size=cfg.group_size, sink=cfg.sink, recent=cfg.recent, templates="legacy")  # fmt: skip
     return run_niah(model, tokenizer, builtin_text("test"), list(cfg.schemes), ncfg, progress=False)
 
 
@@ -153,8 +154,8 @@ def needle_table(rows: list, cfg: DemoConfig) -> Table:
     values = sorted({r.value for r in rows})
     t = Table(
         title=f"One needle per scheme: niah-3 (the UUID-like value {', '.join(values)} in {cfg.needle_len} tokens "
-        "of test text, 50% depth), the answer decoded greedily through the cache (`quantmla eval niah` for the "
-        "full grid)"
+        "of test text, 50% depth, in the needle sentence the model was trained on), the answer decoded greedily "
+        "through the cache (`quantmla eval niah` for the full grid, with needles the model never saw)"
     )
     t.add_column("scheme", justify="right", no_wrap=True)
     t.add_column("retrieved", no_wrap=True)

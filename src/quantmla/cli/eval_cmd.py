@@ -261,6 +261,12 @@ def niah(
     recent: int = typer.Option(None, min=0, help="Recent tokens kept unquantised (default: quantmla.json, else 128)."),
     group_size: int = typer.Option(None, min=1, help="Channels per group (default: quantmla.json, else 64)."),
     text: Path = typer.Option(None, "--text", help="Haystack text for niah-2/3/mk (default: the bundled test split)."),
+    templates: str = typer.Option(
+        "heldout",
+        help="Needle and question templates: heldout (phrasings and keys no training row uses), train (those training "
+        "may use), all (both, reported apart), or legacy (RULER's 'special magic number' sentence alone, the one the "
+        "bundled model v2 was trained on: the earlier NIAH results).",
+    ),
     out: Path = typer.Option(None, "--out", help="Write niah.json and one heat map PNG per scheme here."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
     device: str = typer.Option(DEVICE_DEFAULT, help="Device: cpu, cuda, cuda:N."),
@@ -281,7 +287,7 @@ def niah(
         cfg = NiahConfig(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), lengths=_ints(lengths, "lengths"),
             depths=_ints(depths, "depths"), num_examples=num_examples, seed=seed, group_size=cs.group_size,
-            sink=cs.sink, recent=cs.recent,
+            sink=cs.sink, recent=cs.recent, templates=templates,
         )  # fmt: skip
         limit = getattr(src.config, "max_position_embeddings", None)
         if limit is not None and max(cfg.lengths) > limit:
@@ -293,8 +299,10 @@ def niah(
     with internal_errors("eval niah"):
         m, tok = load(src, dtype=torch_dtype, device=dev, placement=where.placement)
         rows = run_niah(m, tok, body, list(cs.schemes), cfg, progress=not as_json, exs=exs)
+    splits = sorted({r.split for r in rows})
     result = {"model": model, "dtype": dtype_name(torch_dtype), "device": where.label, "config": cfg.__dict__,
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
+              "accuracy_by_templates": {s: {sp: accuracy(rows, scheme=s, split=sp) for sp in splits} for s in names},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
     if out is not None:
         with internal_errors("eval niah"):
@@ -306,19 +314,32 @@ def niah(
         typer.echo(json.dumps(result, indent=2))
         return
     t = Table(title=f"{model} in {dtype_name(torch_dtype)} on {where.label}: NIAH exact match, {cfg.num_examples} per"
-              f" cell, depths {','.join(map(str, cfg.depths))}%, sink {cfg.sink} + recent {cfg.recent}")  # fmt: skip
+              f" cell, depths {','.join(map(str, cfg.depths))}%, sink {cfg.sink} + recent {cfg.recent}, templates"
+              f" {cfg.templates}")  # fmt: skip
     t.add_column("scheme")
     t.add_column("task")
+    t.add_column("templates")
     for n in cfg.lengths:
         t.add_column(f"{n}", justify="right")
     t.add_column("all", justify="right")
     for s in names:
         for task in cfg.tasks:
-            cells = [f"{100 * accuracy(rows, scheme=s, task=task, length=n):.0f}%" for n in cfg.lengths]
-            t.add_row(s, task, *cells, f"{100 * accuracy(rows, scheme=s, task=task):.0f}%")
+            for sp in splits:
+                sel = dict(scheme=s, task=task, split=sp)
+                if not any(all(getattr(r, k) == v for k, v in sel.items()) for r in rows):
+                    continue
+                cells = [_cell(rows, **sel, length=n) for n in cfg.lengths]
+                t.add_row(s, task, sp, *cells, _cell(rows, **sel))
     Console().print(t)
     if out is not None:
         Console().print(f"wrote {out / 'niah.json'} and {', '.join(f'niah-{s}.png' for s in names)}")
+
+
+def _cell(rows, **where) -> str:
+    from quantmla.eval.niah import accuracy
+
+    sel = [r for r in rows if all(getattr(r, k) == v for k, v in where.items())]
+    return f"{100 * accuracy(rows, **where):.0f}%" if sel else "-"
 
 
 @app.command("lm-eval")

@@ -1,7 +1,9 @@
 """Needle-in-a-haystack retrieval through the quantised cache (RULER's S-NIAH style), offline.
 
-Every example is generated from a seed: a haystack of ``length`` tokens with one needle sentence
-("One of the special magic numbers for KEY is: VALUE.") at a relative ``depth``, then the question.
+Every example is generated from a seed: a haystack of ``length`` tokens with one needle at a relative ``depth``,
+then the question, both from a template of :mod:`quantmla.eval.needles`: by default the **held-out** ones, phrasings
+and keys no training row uses (``templates="train"``: the ones training may use, among them RULER's "One of the
+special magic numbers for KEY is: VALUE."; ``"all"``: both).
 Tasks:
 
 * ``niah-1``: a repeated-noise haystack, numeric value;
@@ -24,13 +26,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from quantmla.eval.needles import EVAL_TRAIN_KEYS, LEGACY, eval_key
+from quantmla.eval.needles import templates as needle_templates
 from quantmla.formats.codec import ModelCodec, scheme_name
 from quantmla.measure.progress import layer_postfix
 
 TASKS = ("niah-1", "niah-2", "niah-3", "niah-mk")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KEYS = ("amber-falcon", "silent-river", "copper-moth", "north-gate", "blue-lantern", "iron-orchid", "quiet-harbor",
-        "paper-tiger", "violet-comet", "stone-garden")  # fmt: skip
+#: the keys asked with the training templates (``quantmla.eval.needles``)
+KEYS = EVAL_TRAIN_KEYS
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,10 @@ class NiahConfig:
     group_size: int = 64
     sink: int = 4
     recent: int = 128
+    templates: str = "heldout"  # which needle templates: heldout, train, all or legacy (quantmla.eval.needles)
 
     def __post_init__(self) -> None:
+        needle_templates(self.templates)
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ValueError(f"NIAH tasks {list(bad) or 'none'}; valid: {', '.join(TASKS)}")
@@ -69,6 +75,8 @@ class Example:
     length: int
     depth: int
     index: int
+    template: str
+    split: str  # the template's set: train or heldout
     prompt_ids: list[int] = field(repr=False)
     value: str
     needle_token: int  # where the asked needle starts in the prompt (token index)
@@ -83,25 +91,24 @@ def _value(task: str, rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 10_000_000))
 
 
-def _needle(key: str, value: str) -> str:
-    return f" One of the special magic numbers for {key} is: {value}. "
-
-
-def _question(key: str) -> str:
-    return (f"\nWhat is the special magic number for {key} mentioned in the provided text? "
-            f"The special magic number for {key} mentioned in the provided text is:")  # fmt: skip
-
-
 def make_example(tokenizer, corpus_ids: list[int], noise_ids: list[int], task: str, length: int, depth: int,
-                 index: int, seed: int) -> Example:  # fmt: skip
+                 index: int, seed: int, templates: str = "heldout") -> Example:  # fmt: skip
     """One example of exactly ``length`` prompt tokens, deterministic in its arguments."""
     rng = random.Random(f"{seed}/{task}/{length}/{depth}/{index}")
-    keys = rng.sample(KEYS, 3 if task == "niah-mk" else 1)
+    count = 3 if task == "niah-mk" else 1
+    if templates == "legacy":  # the draws of the evaluation before the templates: its prompts, token for token
+        template, keys = LEGACY, rng.sample(KEYS, count)
+    else:
+        template = rng.choice(needle_templates(templates))
+        keys = []
+        for _ in range(count):
+            keys.append(eval_key(template.split, rng, set(keys)))
     values = [_value(task, rng) for _ in keys]
     asked = rng.randrange(len(keys))
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    needles = [enc(_needle(k, v)) for k, v in zip(keys, values, strict=True)]
-    question = enc(_question(keys[asked]))
+    texts = [template.texts(k, v) for k, v in zip(keys, values, strict=True)]
+    needles = [enc(t[0]) for t in texts]
+    question = enc(texts[asked][1])
     room = length - len(question) - sum(map(len, needles))
     if room < 16:
         raise ValueError(f"length {length} leaves no room for a haystack; use a longer length")
@@ -123,7 +130,8 @@ def make_example(tokenizer, corpus_ids: list[int], noise_ids: list[int], task: s
         prev = spot
     ids += hay[prev:] + question
     assert len(ids) == length, (len(ids), length)
-    return Example(task, length, depth, index, ids, values[asked], where, len(enc(f" {values[asked]}.")), room)
+    return Example(task, length, depth, index, template.name, template.split, ids, values[asked], where,
+                   len(enc(texts[asked][2])), room)  # fmt: skip
 
 
 def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
@@ -131,7 +139,7 @@ def examples(tokenizer, corpus: str, cfg: NiahConfig) -> list[Example]:
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     corpus_ids = enc(corpus[:400_000])
     noise_ids = enc(NOISE)
-    return [make_example(tokenizer, corpus_ids, noise_ids, t, n, d, i, cfg.seed)
+    return [make_example(tokenizer, corpus_ids, noise_ids, t, n, d, i, cfg.seed, cfg.templates)
             for t in cfg.tasks for n in cfg.lengths for d in cfg.depths for i in range(cfg.num_examples)]  # fmt: skip
 
 
@@ -168,6 +176,8 @@ class NiahRow:
     value: str
     output: str
     correct: bool
+    template: str = ""  # the needle template (quantmla.eval.needles) and its set
+    split: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -197,7 +207,7 @@ def run_niah(
                 ids = torch.tensor([ex.prompt_ids], device=dev)
                 text = tokenizer.decode(answer(model, ids, scheme, cfg, ex.value_tokens))
                 row = NiahRow(scheme_name(scheme), ex.task, ex.length, ex.depth, ex.index, ex.value, text,
-                              ex.value in text)  # fmt: skip
+                              ex.value in text, ex.template, ex.split)  # fmt: skip
                 rows.append(row)
                 bar.update()
     return rows
@@ -234,6 +244,7 @@ def heatmap(rows: list[NiahRow], scheme: str, path) -> None:
                 ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
     axes[0][0].set_ylabel("context tokens")
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.03)
-    fig.suptitle(f"NIAH exact match, {scheme}")
+    splits = sorted({r.split for r in rows if r.scheme == scheme})
+    fig.suptitle(f"NIAH exact match, {scheme}, templates: {' + '.join(splits)}")
     fig.savefig(path, dpi=110, metadata={"Software": None}, bbox_inches="tight")
     plt.close(fig)
