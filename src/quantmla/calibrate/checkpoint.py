@@ -36,6 +36,7 @@ from quantmla.models.fp8_checkpoint import (
     dequantize_blocks,
     quantize_blocks,
     shards,
+    tensor_headers,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,7 @@ def calibrated_tensor_names(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _headers(files: list[Path]) -> dict[str, tuple[Path, str]]:
     """``name -> (shard, dtype)`` from the shards' headers."""
-    out = {}
-    for f in files:
-        with f.open("rb") as h:
-            n = int.from_bytes(h.read(8), "little")
-            header = json.loads(h.read(n))
-        out |= {name: (f, info["dtype"]) for name, info in header.items() if name != "__metadata__"}
-    return out
+    return {name: (f, dtype) for f, name, dtype, _ in tensor_headers(files)}
 
 
 def changed_tensors(model: nn.Module, source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:

@@ -79,7 +79,7 @@ def shards(path: Path) -> list[Path]:
     return found
 
 
-def _headers(files: list[Path]) -> Iterator[tuple[Path, str, str, list[int]]]:
+def tensor_headers(files: list[Path]) -> Iterator[tuple[Path, str, str, list[int]]]:
     """``(file, name, dtype, shape)`` of every tensor, read from the shards' headers (no data)."""
     for f in files:
         with f.open("rb") as h:
@@ -93,7 +93,7 @@ def _headers(files: list[Path]) -> Iterator[tuple[Path, str, str, list[int]]]:
 def check_checkpoint(path: Path, blocks: Fp8Blocks) -> int:
     """Check an FP8 checkpoint from its headers: every float8 weight has its ``_scale_inv`` of the right grid.
     Returns the number of quantised weights; a ``ValueError`` naming the first bad tensor."""
-    tensors = {name: (dtype, shape) for _, name, dtype, shape in _headers(shards(path))}
+    tensors = {name: (dtype, shape) for _, name, dtype, shape in tensor_headers(shards(path))}
     count = 0
     for name, (dtype, shape) in tensors.items():
         if dtype != "F8_E4M3":
@@ -139,7 +139,7 @@ def read_state_dict(path: Path, blocks: Fp8Blocks, dtype: torch.dtype) -> dict[s
 
     from safetensors import safe_open
 
-    where = {name: f for f, name, _, _ in _headers(shards(path))}
+    where = {name: f for f, name, _, _ in tensor_headers(shards(path))}
     out: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         opened = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(where.values())}

@@ -320,34 +320,30 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     src = inspect_model(name_or_path)
     logger.info("loading %s in %s on %s", src.path, dtype_name(torch_dtype), dev)
-    if src.fp8 is not None:  # FP8 block-quantised: dequantised by quantmla, then the model class's own loader
-        import copy
-
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        logger.info("%s: FP8 blocks of %s dequantised to %s by quantmla", src.path, list(src.fp8.block),
-                    dtype_name(torch_dtype))  # fmt: skip
-        config = copy.deepcopy(src.config)
-        del config.quantization_config
-        state = read_state_dict(src.path, src.fp8, torch_dtype)
-        model = (
-            MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-            .from_pretrained(
-                None, config=config, state_dict=state, dtype=torch_dtype, attn_implementation=attn_implementation
-            )
-            .to(dev)
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            src.path, config=src.config, dtype=torch_dtype, attn_implementation=attn_implementation
-        ).to(dev)
+    model = _from_pretrained(src, dtype=torch_dtype, attn_implementation=attn_implementation).to(dev)
     model.quantmla_meta = src.meta  # the exported cache scheme, if the directory has one
     return model.eval()
 
 
+def _from_pretrained(src: ModelSource, **kw):
+    """The model class's own loader on ``src`` (``kw``: ``dtype`` and its other arguments); an FP8 block-quantised
+    checkpoint is dequantised to ``dtype`` by quantmla first and handed over as a state dict."""
+    if src.fp8 is None:
+        return AutoModelForCausalLM.from_pretrained(src.path, config=src.config, **kw)
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    logger.info("%s: FP8 blocks of %s dequantised to %s by quantmla", src.path, list(src.fp8.block),
+                dtype_name(kw["dtype"]))  # fmt: skip
+    config = copy.deepcopy(src.config)
+    del config.quantization_config
+    state = read_state_dict(src.path, src.fp8, kw["dtype"])
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kw)
+
+
 def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: Placement):
     """``src`` placed by accelerate's device map (an FP8 checkpoint dequantised in host memory first)."""
-    import copy
     import tempfile
     from collections import Counter
 
@@ -355,15 +351,7 @@ def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: P
     offload = placement.offload_folder or tempfile.mkdtemp(prefix="quantmla-offload-")
     kw = dict(dtype=torch_dtype, attn_implementation=attn_implementation, device_map=placement.device_map,
               max_memory=placement.max_memory, offload_folder=offload)  # fmt: skip
-    if src.fp8 is not None:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        config = copy.deepcopy(src.config)
-        del config.quantization_config
-        state = read_state_dict(src.path, src.fp8, torch_dtype)
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kw)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(src.path, config=src.config, **kw)
+    model = _from_pretrained(src, **kw)
     where = Counter(str(v) for v in getattr(model, "hf_device_map", {}).values())
     logger.info("loaded %s in %s with device_map=%s: modules on %s (offload folder %s)", src.path,
                 dtype_name(torch_dtype), placement.device_map, dict(where), offload)  # fmt: skip

@@ -14,8 +14,8 @@ layer is never run): a forward of it up to its layer gives the first layer's inp
 from __future__ import annotations
 
 import copy
-import json
 import logging
+import math
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from quantmla.models.adapter import get_adapter
-from quantmla.models.fp8_checkpoint import SCALE_SUFFIX, dequantize_blocks, shards
+from quantmla.models.fp8_checkpoint import SCALE_SUFFIX, dequantize_blocks, shards, tensor_headers
 from quantmla.models.loading import ModelSource, inspect_model, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class CheckpointLayers:
     device: torch.device | str = "cpu"
     _where: dict[str, Path] = field(init=False, repr=False)
     _layers: dict[int, list[str]] = field(init=False, repr=False)
+    _numels: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.source = inspect_model(self.source)
@@ -66,11 +67,10 @@ class CheckpointLayers:
         if model_type not in STREAMED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} cannot be calibrated layer by layer; valid: "
                              f"{', '.join(STREAMED_MODEL_TYPES)} (calibrate it in memory)")  # fmt: skip
-        self._where = {}
-        for f in shards(self.source.path):
-            with f.open("rb") as h:
-                header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
-            self._where |= dict.fromkeys((n for n in header if n != "__metadata__"), f)
+        self._where, self._numels = {}, {}
+        for f, name, _, shape in tensor_headers(shards(self.source.path)):
+            self._where[name] = f
+            self._numels[name] = math.prod(shape)
         self._layers = {}
         for name in self._where:
             m = _LAYER.match(name)
@@ -99,19 +99,7 @@ class CheckpointLayers:
         return self._numel([n for n in self._where if not n.endswith(SCALE_SUFFIX)]) * _itemsize(self.dtype)
 
     def _numel(self, names: list[str]) -> int:
-        by_file: dict[Path, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self._where[n], []).append(n)
-        total = 0
-        for f, ns in by_file.items():
-            with f.open("rb") as h:
-                header = json.loads(h.read(int.from_bytes(h.read(8), "little")))
-            for n in ns:
-                numel = 1
-                for d in header[n]["shape"]:
-                    numel *= d
-                total += numel
-        return total
+        return sum(self._numels[n] for n in names)
 
     def _read(self, names: list[str], rename) -> dict[str, torch.Tensor]:
         """The tensors ``names`` (FP8 weights dequantised on the device, scales dropped), keys ``rename(name)``."""
