@@ -6,9 +6,12 @@ retrieval sequences, as in RULER-style long-context training:
 
 * a haystack of ``seq`` tokens: a crop of the train split, or (one row in four) a short crop of it repeated
   (the analogue of RULER's repeated-noise haystack);
-* ``1..max_needles`` needles at random depths, each from a **training template** of
-  :mod:`quantmla.eval.needles` (statements, key-value lines, code, JSON records, dialogue; RULER's sentence among
-  them), the template drawn per needle;
+* ``1..max_needles`` needles at random depths, each from a training template: one of the seven fixed training
+  templates of :mod:`quantmla.eval.needles` (RULER's sentence among them) or, for ``generated`` of the pool, one
+  composed by the grammar of ``needle_grammar.py`` (statements, key-value lines, code, JSON records, dialogue and
+  notes; copy cues and cues in other words); the pool comes in groups of four needles of one template and
+  different keys, and ``same_template`` of the rows take all their needles from one group, so the key, not the
+  wording, tells the needles apart;
 * then, for a random subset of the needles, each one's question and answer, one after the other, so a row trains
   several answers.
 
@@ -25,9 +28,15 @@ Everything is token-level splicing, like the evaluation's prompts, and determini
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from quantmla.eval.needles import TRAIN_WORDS, templates, train_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle_grammar import generate  # noqa: E402
 
 WORDS = TRAIN_WORDS
 
@@ -52,18 +61,33 @@ def _value(rng: np.random.Generator) -> str:
 class RetrievalMix:
     """Builds synthetic retrieval rows of exactly ``seq + 1`` tokens (inputs and shifted targets)."""
 
+    GROUP = 4  # needles of one template in a row of ``same_template``
+
     def __init__(self, tokenizer, train: np.ndarray, seq: int, max_needles: int = 8, pool: int = 4096,
-                 seed: int = 0) -> None:  # fmt: skip
+                 seed: int = 0, generated: float = 0.0, same_template: float = 0.0) -> None:  # fmt: skip
         if seq < 512:
             raise ValueError(f"seq={seq}: retrieval rows need at least 512 tokens")
-        self.train, self.seq, self.max_needles = train, seq, max_needles
+        for name, share in (("generated", generated), ("same_template", same_template)):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name}={share}: a share in [0, 1]")
+        self.train, self.seq, self.max_needles, self.same_template = train, seq, max_needles, same_template
         rng = np.random.default_rng(seed)
-        keys = [_key(rng) for _ in range(pool)]
+        fixed = templates("train")
+        groups = []
+        for g in range(max(1, pool // self.GROUP)):
+            groups.append(generate(rng, g) if rng.random() < generated else fixed[int(rng.integers(0, len(fixed)))])
+        chosen = [t for t in groups for _ in range(self.GROUP)]
+        keys = []
+        for i in range(len(chosen)):  # distinct keys within a group
+            key = _key(rng)
+            while key in keys[i - i % self.GROUP :]:
+                key = _key(rng)
+            keys.append(key)
         values = [_value(rng) for _ in keys]
-        train = templates("train")
-        self.templates = [train[int(i)].name for i in rng.integers(0, len(train), pool)]
-        by_name = {t.name: t for t in train}
-        texts = [by_name[n].texts(k, v) for n, k, v in zip(self.templates, keys, values, strict=True)]
+        self.templates = [t.name for t in chosen]
+        self.families = [t.family for t in chosen]
+        self.template_texts = {t.name: t.needle + t.question for t in chosen}
+        texts = [t.texts(k, v) for t, k, v in zip(chosen, keys, values, strict=True)]
 
         def enc(texts):
             return [np.asarray(e, dtype=np.int64) for e in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -79,8 +103,13 @@ class RetrievalMix:
     def row_parts(self, rng: np.random.Generator) -> tuple[np.ndarray, list[int], list[int]]:
         """``(row, the needles it states, the ones it asks)`` (indices into the pool)."""
         n = self.seq + 1
-        k = int(rng.integers(1, self.max_needles + 1))
-        picks = rng.choice(len(self.needles), size=k, replace=False)
+        if rng.random() < self.same_template:  # all needles of one template, told apart by their keys
+            g = int(rng.integers(0, len(self.needles) // self.GROUP))
+            k = int(rng.integers(1, min(self.GROUP, self.max_needles) + 1))
+            picks = g * self.GROUP + rng.choice(self.GROUP, size=k, replace=False)
+        else:
+            k = int(rng.integers(1, self.max_needles + 1))
+            picks = rng.choice(len(self.needles), size=k, replace=False)
         asked = picks[: int(rng.integers(1, k + 1))]
         qa = [np.concatenate([self.questions[i], self.answers[i]]) for i in rng.permutation(asked)]
         tail = np.concatenate(qa)

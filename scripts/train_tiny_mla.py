@@ -99,7 +99,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--retrieval-share", type=float, default=0.2, help="share of each batch: retrieval rows")
+    ap.add_argument("--retrieval-share", type=float, default=0.25, help="share of each batch: retrieval rows")
+    ap.add_argument("--retrieval-generated", type=float, default=0.7, help="share of needles from the grammar")
+    ap.add_argument("--retrieval-same-template", type=float, default=0.3, help="share of rows of one template")
+    ap.add_argument("--retrieval-pool", type=int, default=16384, help="needles (key, value, template) to draw from")
     ap.add_argument(
         "--budget-minutes",
         type=float,
@@ -139,7 +142,9 @@ def main() -> None:
     gen = np.random.default_rng(args.seed)
     mix = None
     if args.retrieval_share > 0:
-        mix = RetrievalMix(AutoTokenizer.from_pretrained(args.tokens), train, args.seq, seed=args.seed)
+        mix = RetrievalMix(AutoTokenizer.from_pretrained(args.tokens), train, args.seq, pool=args.retrieval_pool,
+                           seed=args.seed, generated=args.retrieval_generated,
+                           same_template=args.retrieval_same_template)  # fmt: skip
     it = batches(train, args.batch, args.seq, gen, mix, args.retrieval_share)
     curve, best = [], (float("inf"), -1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Model v2 on one GPU machine, in one device call (issue 17). Here, first:
+# The bundled model on one GPU machine. Here, first:
 #   python scripts/build_corpus.py --out .data/corpus-v2 --kernel --kernel-share 0.4 --package-bytes 700000
-#   python scripts/train_tokenizer.py --corpus .data/corpus-v2 --out .data/tokenizer-v2 --vocab 8192 --train-mb 40
+#   python scripts/train_tokenizer.py --corpus .data/corpus-v2 --out .data/tokenizer-v2 \
+#       --tokenizer src/quantmla/assets/tiny-mla   # the shipped tokenizer (trained with --vocab 8192 --train-mb 40)
 #   scripts/train_tiny_mla_gpu.sh pack      # .data/gpu: xz'd token arrays, tokenizer, NIAH haystack text (49 MB)
 # then on the device (carry .data/gpu; the bundled model's shards removed from the working tree, so the tree
 # and the carry fit in 64 MiB): scripts/train_tiny_mla_gpu.sh run
 # It trains for BUDGET minutes (default 6.8), evaluates the shipped BF16 weights on the whole validation and
 # test splits, runs the BF16 needle test, and leaves in $OUT the two shards and rest.tar (config, tokenizer,
 # training_log.json, loss_curve.png, niah/).
+#
+# Detached, so that later calls can carry other work while it trains:
+#   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to /tmp/qm and starts `pipeline` in
+#                                           # its own session: `run`, then BF16 NIAH of the new weights on the
+#                                           # held-out and training templates and RULER's sentence; results in /tmp/res
+#   scripts/train_tiny_mla_gpu.sh collect   # waits for the pipeline (at most WAIT s), packs /tmp/res into $OUT
 set -u
 case "${1:-}" in
 pack)
@@ -33,5 +40,32 @@ for s in ('train', 'validation', 'test'):
   cp "$W"/model/model-0000*.safetensors "$OUT/"
   tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah
   ;;
-*) echo "usage: $0 pack|run" >&2; exit 2 ;;
+launch)
+  rm -rf /tmp/qm /tmp/res && mkdir -p /tmp/qm /tmp/res
+  cp -r src scripts pyproject.toml .data /tmp/qm/ || exit 1
+  cd /tmp/qm && setsid nohup bash scripts/train_tiny_mla_gpu.sh pipeline \
+    > /tmp/res/pipeline.log 2>&1 < /dev/null &
+  sleep "${LAUNCH_WAIT:-45}"; cat /tmp/res/pipeline.log
+  ;;
+pipeline)
+  t0=$(date +%s)
+  mkdir -p /tmp/res/train
+  OUT=/tmp/res/train NIAH_ARGS="--dtype float32" bash scripts/train_tiny_mla_gpu.sh run
+  echo "trained at $(($(date +%s) - t0)) s"
+  export PYTHONPATH=src
+  for t in heldout train legacy; do
+    timeout 240 python -m quantmla eval niah /tmp/train/model --scheme bf16 --templates $t -n "${NIAH_N:-2}" \
+      --device cuda --dtype float32 --out /tmp/res/niah-$t > /tmp/res/niah-$t.log 2>&1
+    echo "niah $t: rc $? at $(($(date +%s) - t0)) s"
+  done
+  touch /tmp/res/DONE
+  ;;
+collect)
+  for _ in $(seq "${WAIT:-500}"); do [ -f /tmp/res/DONE ] && break; sleep 1; done
+  cat /tmp/res/pipeline.log
+  cp /tmp/res/train/model-0000*.safetensors "$OUT/" 2>/dev/null
+  tar -C /tmp/res -czf "$OUT/res.tar.gz" --exclude='*.safetensors' .
+  ls -la "$OUT"
+  ;;
+*) echo "usage: $0 pack|run|launch|pipeline|collect" >&2; exit 2 ;;
 esac

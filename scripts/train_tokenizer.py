@@ -1,6 +1,8 @@
 """Train the bundled model's byte-level BPE tokenizer on the train split and tokenize the splits.
 
     python scripts/train_tokenizer.py --corpus .data/corpus --out .data/tokenizer --vocab 8192
+    python scripts/train_tokenizer.py --corpus .data/corpus-v2 --out .data/tokenizer-v2 \
+        --tokenizer src/quantmla/assets/tiny-mla      # encode with the shipped tokenizer
 
 Writes a transformers tokenizer (``tokenizer.json`` + config) to ``--out`` and the token ids of
 each split as ``<split>.u16.npy`` for training. The validation and test splits are encoded as one stream
@@ -42,10 +44,23 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--train-mb", type=float, default=0.0, help="train the BPE on this many MB of the train split")
     ap.add_argument("--stream-mb", type=float, default=64.0, help="encode larger splits in pieces")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="encode with this tokenizer directory, no training")
     args = ap.parse_args()
     if args.vocab > 65536:
         raise SystemExit(f"--vocab {args.vocab}: the token ids are stored as uint16 (at most 65536)")
 
+    train_text = (args.corpus / "train.txt").read_text("utf-8")
+    if args.tokenizer is not None:
+        tok = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json"))
+        fast = PreTrainedTokenizerFast.from_pretrained(args.tokenizer)
+    else:
+        tok, fast = _train(args, train_text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(args.out)
+    _encode(args, tok, train_text)
+
+
+def _train(args: argparse.Namespace, train_text: str) -> tuple[Tokenizer, PreTrainedTokenizerFast]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -57,7 +72,6 @@ def main() -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    train_text = (args.corpus / "train.txt").read_text("utf-8")
     if args.train_mb > 0 and len(train_text) > args.train_mb * 1e6:
         pieces = _pieces(train_text)
         step = max(1, round(len(train_text) / (args.train_mb * 1e6)))
@@ -66,9 +80,10 @@ def main() -> None:
         tok.train([str(args.corpus / "train.txt")], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
     fast.padding_side = "left"
-    args.out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(args.out)
+    return tok, fast
 
+
+def _encode(args: argparse.Namespace, tok: Tokenizer, train_text: str) -> None:
     eos = tok.token_to_id(EOS)
     stats = {"vocab_size": tok.get_vocab_size(), "eos_id": eos, "pad_id": tok.token_to_id(PAD)}
     for split in ("train", "validation", "test"):

@@ -50,9 +50,15 @@ def test_rows_have_the_length_their_needles_and_answers(tok):
 
 def test_training_draws_every_training_template_and_nothing_held_out(tok):
     rm = _module()
-    mix = rm.RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=512, seed=0)
+    mix = rm.RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=2048, seed=0, generated=0.7)
     train = {t.name for t in needles.templates("train")}
-    assert set(mix.templates) == train  # every training phrasing, none other
+    fixed = {n for n in mix.templates if not n.startswith("gen-")}
+    assert fixed == train  # every fixed training phrasing, none other
+    generated = {n for n in mix.templates if n.startswith("gen-")}
+    assert 0.6 < len(generated) / (len(mix.templates) / mix.GROUP) < 0.8  # one template a group of four
+    assert {f for n, f in zip(mix.templates, mix.families, strict=True) if n.startswith("gen-")} == {
+        "statement", "kv", "code", "json", "dialogue"}  # fmt: skip
+    assert len({mix.template_texts[n] for n in generated}) > 150  # many distinct phrasings, not a few repeated
     assert not train & {t.name for t in needles.templates("heldout")}
     held_words = set(needles.HELDOUT_WORDS)
     eval_words = {w for k in needles.EVAL_TRAIN_KEYS for w in k.split("-")}
@@ -60,14 +66,42 @@ def test_training_draws_every_training_template_and_nothing_held_out(tok):
     # no held-out template's fixed text (its words around the placeholders) occurs in a training template
     import re
 
-    train_text = " ".join(t.needle + t.question for t in needles.templates("train"))
+    train_text = " ".join(mix.template_texts.values())
     for t in needles.templates("heldout"):
         for piece in re.split(r"\{[a-z_]+\}", t.needle + t.question):
             if len(piece.strip()) >= 12:
                 assert piece.strip() not in train_text, (t.name, piece)
 
 
+def test_the_grammar_never_uses_a_held_out_word():
+    """The held-out templates' own nouns and layouts stay out of every generated template."""
+    grammar = load_script("scripts/needle_grammar.py")
+    rng = np.random.default_rng(3)
+    texts = [t.needle + t.question for t in (grammar.generate(rng, i) for i in range(3000))]
+    for word in ("locker", "combination", "serial", "device", "reference number", "Subject:", "Regards", "const ",
+                 "| ", "do not change"):  # fmt: skip
+        assert not any(word in x for x in texts), word
+    # every template formats (its placeholders are ones NeedleTemplate fills) and states the value once
+    for t in (grammar.generate(rng, i) for i in range(300)):
+        needle, question, answer = t.texts("maple-otter", "4821-ab")
+        assert needle.count("4821-ab") == 1 and "4821-ab" not in question and "{" not in needle.replace('{"', "")
+
+
+def test_rows_of_one_template_tell_needles_apart_by_key(tok):
+    rm = _module()
+    mix = rm.RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=256, seed=2, generated=0.5,
+                          same_template=1.0)  # fmt: skip
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        _, stated, _ = mix.row_parts(rng)
+        assert len({mix.templates[i] for i in stated}) == 1 and len(stated) <= mix.GROUP
+    keys = [tuple(mix.needles[i]) for i in range(mix.GROUP)]
+    assert len(set(keys)) == mix.GROUP  # a group's needles differ (their keys and values)
+
+
 def test_short_rows_are_refused(tok):
     rm = _module()
     with pytest.raises(ValueError, match="seq=256"):
         rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=256)
+    with pytest.raises(ValueError, match="generated=1.5"):
+        rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=1024, generated=1.5)

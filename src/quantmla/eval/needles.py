@@ -22,10 +22,14 @@ from dataclasses import dataclass
 TEMPLATE_SETS = ("heldout", "train", "all", "legacy")
 
 
+_KEY_FIELDS = ("{key}", "{key_ident}", "{key_upper}")
+
+
 @dataclass(frozen=True)
 class NeedleTemplate:
     """A needle and its question: ``needle`` formats ``{key}`` and ``{value}``; ``question`` formats ``{key}`` (or
-    ``{key_words}``: the key's words without hyphens; ``{key_ident}``: with underscores, for code) and ends where
+    ``{key_words}``: the key's words without hyphens; ``{key_ident}``: with underscores, for code; ``{key_upper}``: the
+    identifier in capitals, for constants) and ends where
     ``lead + VALUE + close`` follows."""
 
     name: str
@@ -39,14 +43,15 @@ class NeedleTemplate:
     def __post_init__(self) -> None:
         if self.split not in ("train", "heldout"):
             raise ValueError(f"template {self.name}: split={self.split!r}; valid: train, heldout")
-        if "{value}" not in self.needle or not any(k in self.needle for k in ("{key}", "{key_ident}")):
+        if "{value}" not in self.needle or not any(k in self.needle for k in _KEY_FIELDS):
             raise ValueError(f"template {self.name}: the needle must name the key and {{value}}")
-        if not any(k in self.question for k in ("{key}", "{key_words}", "{key_ident}")):
+        if not any(k in self.question for k in (*_KEY_FIELDS, "{key_words}")):
             raise ValueError(f"template {self.name}: the question must name the key")
 
     def texts(self, key: str, value: str) -> tuple[str, str, str]:
         """``(needle, question, answer)`` for ``key`` and ``value``."""
-        names = dict(key=key, key_words=key.replace("-", " "), key_ident=key.replace("-", "_"))
+        ident = key.replace("-", "_")
+        names = dict(key=key, key_words=key.replace("-", " "), key_ident=ident, key_upper=ident.upper())
         return (self.needle.format(value=value, **names), self.question.format(**names),
                 f"{self.lead}{value}{self.close}")  # fmt: skip
 

@@ -1,0 +1,118 @@
+"""A grammar of training needle templates: many phrasings per family, none of them held out.
+
+The evaluation's held-out templates (:mod:`quantmla.eval.needles`) test whether a model retrieves a needle it was never
+shown the wording of. Seven fixed training phrasings teach seven sentences; this grammar composes thousands from parts:
+a family (statement, key-value line, code, JSON record, dialogue or note), a relation noun, a frame for the needle, a
+question intro and an answer cue. About half the cues repeat the needle's words before the value (a copy cue, as
+"kv-colon" and the held-out "kv-table" are); the rest ask in other words ("Answer:", "It is"), so the model has to find
+the needle by its key, not by its wording.
+
+Nothing here may produce a held-out template: the relation nouns, field names and frames leave out the held-out
+templates' words and layouts (locker combinations, table rows, ``const`` declarations, device serials, mail subjects
+and reference numbers); a test checks every piece of held-out text against a sample of generated templates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from quantmla.eval.needles import NeedleTemplate
+
+#: relation nouns of the statement, dialogue and note families (none of the held-out templates' nouns)
+RELATIONS = (
+    "access code", "passcode", "PIN", "ticket number", "order number", "account number", "room number",
+    "tracking code", "badge number", "license key", "phone extension", "build tag", "batch number", "voucher code",
+    "seat number", "vault code", "secret word", "API token", "member id", "invoice number", "flight number",
+    "port number", "customer id", "product code", "pass number", "parcel code", "gate code", "permit number",
+)  # fmt: skip
+#: (key field, value field) of the JSON family (the held-out record is a device and its serial)
+FIELDS = (("name", "id"), ("user", "token"), ("host", "port"), ("item", "sku"), ("account", "pin"), ("title", "code"),
+          ("label", "number"), ("city", "zip"), ("project", "budget"), ("team", "score"))  # fmt: skip
+
+# statement needles: the part before the value is the copy cue
+_STATEMENT = (
+    " The {rel} of {key} is {value}. ",
+    " The {rel} for {key} is {value}. ",
+    " It was agreed that the {rel} of {key} would be {value}. ",
+    " For the record, {key} has the {rel} {value}. ",
+    " Keep this in mind: the {rel} assigned to {key} is {value}. ",
+    " Update: {key} now uses {rel} {value}. ",
+)
+_ASK = (
+    "\nWhat is the {rel} of {kq}?",
+    "\nWhich {rel} does {kq} have?",
+    "\nDo you remember the {rel} of {kq}?",
+    "\nTell me the {rel} given for {kq}.",
+    "\nQuestion: what {rel} was mentioned for {kq}?",
+)
+_OTHER_CUE = (" Answer:", " It is", " The answer is", "\nAnswer:", " The {rel} is")
+
+_KV = ("\n{key}: {value}\n", "\n{key} = {value}\n", "\n{key} -> {value}\n", "\n- {key}: {value}\n",
+       "\n{key}, {value}\n", "\n* {key} => {value}\n", "\n[{key}] {value}\n")  # fmt: skip
+_KV_ASK = ("\nLook up {kq} in the list above.", "\nFind the entry for {kq}.", "\nWhat was listed for {kq}?",
+           "\nThe line for {kq} reads:")  # fmt: skip
+
+_CODE = (
+    ('\n{ki} = "{value}"\n', '\n# What is {ki} set to above?\n{ki} = "', '"', ""),
+    ('\nexport {KI}="{value}"\n', '\n# print the {KI} exported above\nexport {KI}="', '"', ""),
+    ("\n#define {KI} {value}\n", "\n/* the value of {KI} defined above */\n#define {KI}", "", " "),
+    ('\nlet {ki} = "{value}";\n', '\n// which string is {ki}?\nlet {ki} = "', '";', ""),
+    ('\n    "{key}": "{value}",\n', '\n# the entry for "{key}" in the dict above\n    "{key}": "', '",', ""),
+    ("\nset {ki} to {value}\n", "\n-- what was {ki} set to? set {ki} to", "", " "),
+)
+
+_DIALOGUE = (
+    ("\nA: What {rel} did you give {key}?\nB: I gave {key} the {rel} {value}.\n",
+     "\nA: Which {rel} did {kq} get again?\nB: {key} got the {rel}"),
+    ("\nCustomer: My {rel} for {key} is {value}.\nAgent: Thank you.\n",
+     "\nAgent: Could you repeat the {rel} for {kq}?\nCustomer: Sure, it is"),
+    ("\nDear team, the {rel} we use for {key} is {value}. Best wishes\n",
+     "\nWhich {rel} did the note give for {kq}? The note gave"),
+    ("\nNOTE ({key}): {rel} = {value}\n", "\nWhat did the note about {kq} say the {rel} was? It said"),
+)  # fmt: skip
+
+
+def _key_form(rng: np.random.Generator) -> str:
+    """How the question names the key: as written, in words, or as an identifier."""
+    return ("{key}", "{key_words}", "{key_ident}")[int(rng.choice(3, p=(0.5, 0.3, 0.2)))]
+
+
+def _pick(rng: np.random.Generator, options):
+    return options[int(rng.integers(0, len(options)))]
+
+
+def generate(rng: np.random.Generator, index: int = 0) -> NeedleTemplate:
+    """One training template composed from the grammar (deterministic in ``rng``)."""
+    family = _pick(rng, ("statement", "kv", "code", "json", "dialogue"))
+    rel = _pick(rng, RELATIONS)
+    kq = _key_form(rng)
+    copy = rng.random() < 0.5
+    name = f"gen-{family}-{index}"
+    if family == "statement":
+        frame = _pick(rng, _STATEMENT).replace("{rel}", rel)
+        ask = _pick(rng, _ASK).format(rel=rel, kq=kq)
+        cue = " " + frame.split("{value}")[0].strip() if copy else _pick(rng, _OTHER_CUE).format(rel=rel)
+        return NeedleTemplate(name, family, "train", frame, ask + cue)
+    if family == "kv":
+        frame = _pick(rng, _KV)
+        before = frame.split("{value}")[0]
+        lead = " " if before.endswith(" ") else ""
+        ask = _pick(rng, _KV_ASK).format(kq=kq)
+        cue = before.rstrip(" ") if copy else "\nAnswer:"
+        return NeedleTemplate(name, family, "train", frame, ask + cue, close="", lead=lead if copy else " ")
+    if family == "code":
+        needle, question, close, lead = _pick(rng, _CODE)
+        names = {"ki": "{key_ident}", "KI": "{key_upper}"}
+        needle, question = needle.format(value="{value}", key="{key}", **names), question.format(key="{key}", **names)
+        return NeedleTemplate(name, family, "train", needle, question, close=close, lead=lead)
+    if family == "json":
+        kf, vf = _pick(rng, FIELDS)
+        needle = ' {{"' + kf + '": "{key}", "' + vf + '": "{value}"}} '
+        if copy:
+            question = f'\nWhich {vf} belongs to the {kf} "{kq}"? ' + '{{"' + kf + '": "{key}", "' + vf + '": "'
+            return NeedleTemplate(name, family, "train", needle, question, close='"', lead="")
+        question = f'\nWhat is the {vf} of the {kf} "{kq}"? Answer:'
+        return NeedleTemplate(name, family, "train", needle, question, close="", lead=" ")
+    needle, question = _pick(rng, _DIALOGUE)
+    question = question.format(rel=rel, kq=kq, key="{key}")
+    return NeedleTemplate(name, family, "train", needle.replace("{rel}", rel), question)
