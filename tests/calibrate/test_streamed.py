@@ -131,6 +131,26 @@ def test_the_model_stage_runs_where_the_model_fits_and_is_skipped_where_not(sour
     assert not (tmp_path / "refused").exists() and not (tmp_path / ".refused.quantmla-work").exists()
 
 
+def test_raq_alloc_fits_layer_by_layer_and_allocates_as_in_memory(source, tmp_path):
+    kw = dict(KW, method="raq-alloc", scheme="c2r4", steps=2)
+    work = tmp_path / ".streamed.quantmla-work"
+    kinds = []
+
+    def fitted(idx):  # each layer's menu of fits is made (and kept) before the next layer is read
+        kinds.append(sorted(torch.load(work / f"layer-{idx:03d}.pt", weights_only=False)["alloc_fits"]))
+
+    report, _ = calibrate_streamed(source, _windows(4), tmp_path / "streamed", progress=False, on_layer=fitted, **kw)
+    model = load_model(source, dtype="float32")
+    model, want = calibrate_model(model, None, _windows(4), progress=False, **kw)
+    export_changed(model, source, tmp_path / "memory", want)
+    _assert_same(tmp_path / "streamed", tmp_path / "memory")
+    assert report.allocation == want.allocation and report.layers == want.layers
+    assert kinds == [[("content", "2"), ("content", "2g128"), ("content", "3g128"), ("rope", "3"), ("rope", "4")]] * 3
+    with pytest.raises(ValueError, match="method quantmla takes none"):
+        calibrate_model(load_model(source, dtype="float32"), None, _windows(4), progress=False, alloc_fits={},
+                        **dict(kw, method="quantmla"))  # fmt: skip
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3_halfrope_noqlora", "glm4_moe_lite"])
 def test_every_streamed_family_equals_in_memory(tmp_path, family):
     # unquantised checkpoints of the other families, dense and MoE layers mixed (each layer built with its kind)

@@ -164,7 +164,13 @@ class CalibrationReport:
 
 
 def calibrate_model(
-    model: nn.Module, tokenizer, texts, progress: bool = True, layer_stage: LayerStage | None = None, **kwargs
+    model: nn.Module,
+    tokenizer,
+    texts,
+    progress: bool = True,
+    layer_stage: LayerStage | None = None,
+    alloc_fits: dict | None = None,
+    **kwargs,
 ):
     """Calibrate ``model`` in place for a quantised cache and return ``(model, report)``.
 
@@ -179,9 +185,13 @@ def calibrate_model(
     all layers jointly against the KL from the full-precision model, with the cache as decode sees it
     (``sink``, ``recent``). ``layer_stage``: ``report.layer_stage`` of an earlier run on the same
     (unfused) model, data and config up to ``sink``, ``recent`` and the model-level fields; it skips
-    the layer-local stage.
+    the layer-local stage. ``alloc_fits``: ``raq-alloc``'s per-layer fits
+    (:func:`~quantmla.calibrate.related.raq_alloc_fits`) on the same model, data and config, computed beforehand
+    (layer by layer); only the allocation runs here.
     """
     cfg = CalibrationConfig(**kwargs)
+    if alloc_fits is not None and cfg.method != "raq-alloc":
+        raise ValueError(f"alloc_fits are raq-alloc's per-layer fits; method {cfg.method} takes none")
     train_w, val_w, data_sha = calibration_windows(tokenizer, texts, cfg)
     report = CalibrationReport(cfg, data_sha)
     if not is_latent_attention_enabled(model):
@@ -193,7 +203,7 @@ def calibrate_model(
             raise ValueError(f"method {cfg.method} has no layer stage to reuse; run without layer_stage")
         long = _rope_fit_windows(cfg, train_w, val_w)
         report.codec, report.layers, fused, report.allocation = fit_codec(
-            model, adapter, modules, train_w, val_w, cfg, progress, long
+            model, adapter, modules, train_w, val_w, cfg, progress, long, alloc_fits=alloc_fits
         )
         for idx, attn in modules:
             if idx in fused:

@@ -46,7 +46,8 @@ def check_codec_scheme(method: str, scheme: str) -> None:
         )
 
 
-def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None, inputs=None):
+def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long_windows=None, inputs=None,
+              alloc_fits=None):  # fmt: skip
     """``(codec, per-layer report rows, content transforms to fuse, allocation report)`` of ``cfg.method`` (one
     of :data:`CODEC_METHODS`) on ``model``; the transforms are ``{}`` except for RoLaQ's rotations, the
     allocation report ``None`` except for ``raq-alloc``.
@@ -58,12 +59,15 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
 
     ``inputs``: the attention inputs of ``modules`` (a :class:`~quantmla.measure.layer_inputs.StreamedInputs` at
     their layer), ``None``: ``model`` run from the embedding. ``raq-alloc`` allocates through the whole model
-    and needs ``None``."""
+    and needs ``None``; ``alloc_fits``: its per-layer fits from :func:`raq_alloc_fits` (layer by layer, beforehand),
+    ``None``: fitted here."""
     scheme = parse_scheme(cfg.scheme)
     rows, layers, fused = [], {}, {}
     source = model if inputs is None else inputs
     if cfg.method == "raq-alloc" and inputs is not None:
         raise ValueError("raq-alloc allocates formats by the whole model's held-out KL: it needs the model in memory")
+    if alloc_fits is not None and cfg.method != "raq-alloc":
+        raise ValueError(f"alloc_fits are raq-alloc's fits; method {cfg.method} takes none")
     if cfg.method == "blockgtq":
         d_r = modules[0][1].qk_rope_head_dim
         pairs = adapter.rope_layout(model.config).cache_pairs(d_r)
@@ -90,7 +94,9 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
             rows.append({"layer": idx, "content": info, "rope": {"format": scheme.rope.spec}})
             del train, val
     elif cfg.method == "raq-alloc":
-        codec, rows, report = _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_windows)
+        if alloc_fits is None:
+            alloc_fits = raq_alloc_fits(model, modules, train_w, val_w, cfg, progress, long_windows)
+        codec, rows, report = _raq_alloc(model, adapter, modules, val_w, cfg, progress, long_windows, alloc_fits)
         return codec, rows, fused, report
     else:
         fits = _raq_fits(source, modules, train_w, val_w, cfg, scheme.content, scheme.rope, cfg.paths, progress,
@@ -127,21 +133,31 @@ def _raq_fits(model, modules, train_w, val_w, cfg, content: PathFormat, rope: Pa
     return out
 
 
-def _raq_alloc(model, adapter, modules, train_w, val_w, cfg, progress, long_windows):
-    """RAQ-MLA's fits at every format of :func:`~quantmla.calibrate.layer_alloc.layer_menu`, then the formats
-    allocated across layers (:func:`~quantmla.calibrate.layer_alloc.allocate`) within the scheme's bytes."""
+def raq_alloc_fits(source, modules, train_w, val_w, cfg, progress, long_windows) -> dict[tuple[str, str], list]:
+    """``raq-alloc``'s fits: RAQ-MLA's at every format of :func:`~quantmla.calibrate.layer_alloc.layer_menu`,
+    ``{(path, format spec): [(path codec, report) per module]}``. ``source``: the model, or the attention inputs of
+    ``modules`` (:class:`~quantmla.measure.layer_inputs.StreamedInputs`): each fit depends on its layer alone (its
+    generator is seeded by the layer), so layer by layer gives the same fits."""
     scheme = parse_scheme(cfg.scheme)
     content, rope = layer_menu(scheme)
     fitted: dict[tuple[str, str], list] = {}
     for fmt in content:  # a content fit does not depend on the RoPE key's format, nor a RoPE fit on the latent's
         if "content" in cfg.paths:
-            fits = _raq_fits(model, modules, train_w, val_w, cfg, fmt, scheme.rope, ("content",), progress, None)
+            fits = _raq_fits(source, modules, train_w, val_w, cfg, fmt, scheme.rope, ("content",), progress, None)
             fitted["content", fmt.spec] = [f["content"] for f in fits]
     for fmt in rope:
         if "rope" in cfg.paths:
-            fits = _raq_fits(model, modules, train_w, val_w, cfg, scheme.content, fmt, ("rope",), progress,
+            fits = _raq_fits(source, modules, train_w, val_w, cfg, scheme.content, fmt, ("rope",), progress,
                              long_windows)  # fmt: skip
             fitted["rope", fmt.spec] = [f["rope"] for f in fits]
+    return fitted
+
+
+def _raq_alloc(model, adapter, modules, val_w, cfg, progress, long_windows, fitted):
+    """The formats allocated across layers (:func:`~quantmla.calibrate.layer_alloc.allocate`) within the scheme's
+    bytes, from :func:`raq_alloc_fits`' ``fitted``."""
+    scheme = parse_scheme(cfg.scheme)
+    content, rope = layer_menu(scheme)
     dims = adapter.dims(model.config)
     opts = menu_options(content, rope, dims.kv_lora_rank, dims.rope_dim, cfg.group_size)
     per_layer = []

@@ -9,9 +9,9 @@ the calibration windows' hidden states (or none of them, with ``offload="disk"``
 
 Every per-layer method runs so (:data:`STREAMED_METHODS`), with the same result as in memory: each layer's result
 depends only on its inputs, the data, the config and its own random stream. What needs the whole model (QuantMLA's
-model-level stage, ``quantmla-raq``, ``raq-alloc``'s allocation) runs in memory after the layer stage when the model
-fits ``memory_limit``; when it does not, ``quantmla``'s model stage is skipped (said before any work) and the other
-two are refused.
+model-level stage, ``quantmla-raq``, ``raq-alloc``'s allocation) runs in memory after the layers when the model fits
+``memory_limit`` (``raq-alloc``'s per-layer fits are made layer by layer, its allocation in memory); when it does not,
+``quantmla``'s model stage is skipped (said before any work) and the other two are refused.
 
 Each finished layer's result is a file of the work directory; ``resume=True`` continues an interrupted run from the
 first unfinished layer (the earlier layers are run forward again, not calibrated) and gives the same export, bit for
@@ -45,7 +45,7 @@ from quantmla.calibrate.api import (
     write_export_meta,
 )
 from quantmla.calibrate.checkpoint import StoredTensors, calibrated_tensor_names, changed_among, write_changed
-from quantmla.calibrate.related import CODEC_METHODS, fit_codec
+from quantmla.calibrate.related import CODEC_METHODS, fit_codec, raq_alloc_fits
 from quantmla.formats.codec import ModelCodec
 from quantmla.formats.scheme import parse_scheme
 from quantmla.measure.layer_inputs import OFFLOAD, StreamedInputs
@@ -222,15 +222,17 @@ def run_streamed(run: StreamedRun, copy: bool = False, keep_bf16: bool = False, 
     src = layers.source
     train_w, val_w, data_sha = run.windows
     work = run.work.open()
-    if cfg.method == "raq-alloc":  # its fits and allocation: in memory (plan() checked that the model fits)
-        per_layer = {}
-    else:
-        per_layer = _stream_layers(layers, run_cfg, train_w, val_w, data_sha, run.stream, work, progress, on_layer)
-    if run.whole_model:
+    per_layer = _stream_layers(layers, run_cfg, train_w, val_w, data_sha, run.stream, work, progress, on_layer)
+    if run.whole_model:  # plan() checked that the model fits
         model = load_model(src, dtype=layers.dtype, device=layers.device)
-        stage = None if cfg.method == "raq-alloc" else _layer_stage_of(run_cfg, data_sha, work, sorted(per_layer))
+        stage = fits = None
+        if cfg.method == "raq-alloc":  # the allocation, on the fits made layer by layer
+            fits = _alloc_fits_of(work, sorted(per_layer))
+        else:
+            stage = _layer_stage_of(run_cfg, data_sha, work, sorted(per_layer))
         windows = torch.cat([train_w, val_w])
-        model, report = calibrate_model(model, None, windows, progress=progress, layer_stage=stage, **asdict(cfg))
+        model, report = calibrate_model(model, None, windows, progress=progress, layer_stage=stage, alloc_fits=fits,
+                                        **asdict(cfg))  # fmt: skip
         wrote = export_changed(model, src.path, run.out, report, copy=copy, keep_bf16=keep_bf16)
     else:
         report = _report(run_cfg, data_sha, per_layer, src.num_cache_layers)
@@ -297,8 +299,11 @@ def _kept(result: dict) -> dict:
 def _calibrate_layer(model, idx, cfg, train_w, val_w, data_sha, inputs) -> dict:
     adapter = get_adapter(model)
     modules = [(i, attn) for i, attn in adapter.attention_modules(model) if i == idx]
+    long = layer_stage_windows(cfg, train_w, val_w)[2:] or None
+    if cfg.method == "raq-alloc":  # the fits; the allocation needs the whole model (after the layers)
+        fits = raq_alloc_fits(inputs, modules, train_w, val_w, cfg, False, tuple(long) if long else None)
+        return {"row": {"layer": idx}, "alloc_fits": fits, "codec": None, "fused": None}
     if cfg.method in CODEC_METHODS:
-        long = layer_stage_windows(cfg, train_w, val_w)[2:] or None
         codec, rows, fused, _ = fit_codec(model, adapter, modules, train_w, val_w, cfg, False,
                                           tuple(long) if long else None, inputs=inputs)  # fmt: skip
         return {"row": rows[0], "codec": codec.layers[0], "fused": fused.get(idx)}
@@ -320,6 +325,12 @@ def _fuse(model, idx, cfg, result) -> None:
         fuse_content(adapter, attn, ct)
     if "rope" in cfg.paths:
         fuse_rope(adapter, attn, rt, model.config)
+
+
+def _alloc_fits_of(work: WorkDir, indices: list[int]) -> dict[tuple[str, str], list]:
+    """``raq-alloc``'s per-layer fits read back from the work directory, as one run over the layers gives them."""
+    per = [work.load(i)["alloc_fits"] for i in indices]
+    return {key: [fits[key][0] for fits in per] for key in per[0]}
 
 
 def _layer_stage_of(cfg, data_sha, work: WorkDir, indices: list[int]) -> LayerStage:

@@ -4,8 +4,9 @@ A model too large for one device (DeepSeek-V3: 61 layers, 671B parameters) is ca
 checkpoint's shards are indexed from their headers; :meth:`CheckpointLayers.layer` reads only the tensors of one
 decoder layer (FP8 blocks dequantised on the target device) into a **one-layer model** of the same class, whose
 config is the source's with one layer of that layer's kind (dense or MoE). The model class's own loader builds it,
-so transformers' conversions of the checkpoint's names (per-expert weights into fused tensors, for example) apply
-as in a full load, and the layer computes exactly what it computes inside the whole model.
+so transformers' conversions of the checkpoint's names apply as in a full load, and the layer computes exactly what it
+computes inside the whole model. The experts' fused tensors are filled one expert at a time as they are read
+(:mod:`quantmla.models.fused_experts`), so the host holds a layer's experts once, not three times.
 :meth:`CheckpointLayers.embedding` builds the same one-layer model with the real embedding and rotary tables (its
 layer is never run): a forward of it up to its layer gives the first layer's inputs and the keyword arguments
 (position embeddings, mask) every decoder layer receives.
@@ -26,6 +27,7 @@ from torch import nn
 
 from quantmla.models.adapter import get_adapter
 from quantmla.models.fp8_checkpoint import SCALE_SUFFIX, dequantize_blocks, shards, tensor_headers
+from quantmla.models.fused_experts import FusionPlan, fusion_plan
 from quantmla.models.loading import ModelSource, inspect_model, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class CheckpointLayers:
     device: torch.device | str = "cpu"
     _where: dict[str, Path] = field(init=False, repr=False)
     _layers: dict[int, list[str]] = field(init=False, repr=False)
-    _numels: dict[str, int] = field(init=False, repr=False)
+    _shapes: dict[str, list[int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.source = inspect_model(self.source)
@@ -67,10 +69,10 @@ class CheckpointLayers:
         if model_type not in STREAMED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} cannot be calibrated layer by layer; valid: "
                              f"{', '.join(STREAMED_MODEL_TYPES)} (calibrate it in memory)")  # fmt: skip
-        self._where, self._numels = {}, {}
+        self._where, self._shapes = {}, {}
         for f, name, _, shape in tensor_headers(shards(self.source.path)):
             self._where[name] = f
-            self._numels[name] = math.prod(shape)
+            self._shapes[name] = shape
         self._layers = {}
         for name in self._where:
             m = _LAYER.match(name)
@@ -99,13 +101,15 @@ class CheckpointLayers:
         return self._numel([n for n in self._where if not n.endswith(SCALE_SUFFIX)]) * _itemsize(self.dtype)
 
     def _numel(self, names: list[str]) -> int:
-        return sum(self._numels[n] for n in names)
+        return sum(math.prod(self._shapes[n]) for n in names)
 
-    def _read(self, names: list[str], rename) -> dict[str, torch.Tensor]:
-        """The tensors ``names`` (FP8 weights dequantised on the device, scales dropped), keys ``rename(name)``."""
+    def _read(self, names: list[str], rename, plan: FusionPlan | None = None) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` (FP8 weights dequantised on the device, scales dropped), keys ``rename(name)``;
+        those of ``plan`` copied into their fused tensors one at a time."""
         from safetensors import safe_open
 
-        out = {}
+        out: dict[str, torch.Tensor] = {}
+        fused: dict[str, torch.Tensor] = {}
         with ExitStack() as stack:
             opened = {}
 
@@ -124,8 +128,12 @@ class CheckpointLayers:
                     t = dequantize_blocks(t.to(self.device), scale, self.source.fp8, self.dtype).cpu()
                 elif t.is_floating_point():
                     t = t.to(self.dtype)
-                out[rename(n)] = t
-        return out
+                if plan is not None and n in plan.slots:
+                    plan.fill(fused, n, t, self.dtype)
+                else:
+                    out[rename(n)] = t
+                del t
+        return out | fused
 
     def _one_layer_model(self, index: int, state: dict[str, torch.Tensor], vocab: bool = False) -> nn.Module:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -160,7 +168,13 @@ class CheckpointLayers:
         if not 0 <= index < self.num_layers:
             raise ValueError(f"layer {index}; valid: 0 .. {self.num_layers - 1}")
         prefix = f"model.layers.{index}."
-        state = self._read(self._layers[index], lambda n: "model.layers.0." + n[len(prefix) :])
+
+        def rename(n: str) -> str:
+            return "model.layers.0." + n[len(prefix) :]
+
+        names = self._layers[index]
+        plan = fusion_plan(self.config.model_type, {n: self._shapes[n] for n in names}, rename)
+        state = self._read(names, rename, plan)
         model = self._one_layer_model(index, state)
         _check_loaded(model.model.layers[0], state, "model.layers.0.", index)
         return model
