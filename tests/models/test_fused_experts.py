@@ -30,8 +30,8 @@ def test_a_layer_fused_as_read_equals_transformers_conversion(tmp_path, monkeypa
         src = tmp_path / "src"
         tiny_model(family).save_pretrained(src)
     layers = CheckpointLayers(src, "float32")
-    plans = [fusion_plan(layers.config.model_type, {n: layers._shapes[n] for n in layers._layers[i]}, lambda n: n)
-             for i in range(layers.num_layers)]  # fmt: skip
+    kind = layers.config.model_type
+    plans = [fusion_plan(kind, layers.layer_shapes(i), lambda n: n) for i in range(layers.num_layers)]
     moe = [i for i, p in enumerate(plans) if p is not None]
     assert moe, "no MoE layer in the test checkpoint"
     for i in moe:

@@ -92,6 +92,10 @@ class CheckpointLayers:
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
 
+    def layer_shapes(self, index: int) -> dict[str, list[int]]:
+        """The checkpoint's tensors of layer ``index`` (scales included) and their shapes, from the headers."""
+        return {n: self._shapes[n] for n in self._layers[index]}
+
     def layer_bytes(self, index: int) -> int:
         """Bytes of layer ``index``'s parameters in the compute dtype (from the headers)."""
         return self._numel([n for n in self._layers[index] if not n.endswith(SCALE_SUFFIX)]) * _itemsize(self.dtype)
@@ -172,9 +176,9 @@ class CheckpointLayers:
         def rename(n: str) -> str:
             return "model.layers.0." + n[len(prefix) :]
 
-        names = self._layers[index]
-        plan = fusion_plan(self.config.model_type, {n: self._shapes[n] for n in names}, rename)
-        state = self._read(names, rename, plan)
+        shapes = self.layer_shapes(index)
+        plan = fusion_plan(self.config.model_type, shapes, rename)
+        state = self._read(list(shapes), rename, plan)
         model = self._one_layer_model(index, state)
         _check_loaded(model.model.layers[0], state, "model.layers.0.", index)
         return model
