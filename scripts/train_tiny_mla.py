@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_mix import RetrievalMix  # noqa: E402
@@ -59,6 +59,51 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int) -> DeepseekV3Config:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
+
+
+def gqa_config(vocab_size: int, eos_id: int, pad_id: int) -> Qwen3Config:
+    """The MLAfication teacher (``--family gqa``): a Qwen3-style GQA model with per-head q_norm/k_norm, 6 query heads
+    sharing 2 KV heads of 64 (RoPE over the whole head, rotate-half pairs), ~3.9M parameters (7.7 MB in BF16, under
+    the 8 MB limit), the same tokenizer and context as the MLA model."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=192,
+        intermediate_size=448,
+        num_hidden_layers=5,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+
+
+FAMILIES = {"mla": model_config, "gqa": gqa_config}
+
+
+@torch.no_grad()
+def niah_own_cache(model, tokenizer, text: str, n: int, templates: str) -> dict:
+    """NIAH (``quantmla eval niah``'s examples: niah-1/2/3 x 1K/2K/4K x five depths, ``n`` a cell) answered greedily
+    through the model's own transformers cache: the same measure for the MLA model and the GQA teacher."""
+    from quantmla.eval.niah import NiahConfig, examples
+
+    cfg = NiahConfig(num_examples=n, templates=templates)
+    device = next(model.parameters()).device
+    hits: dict[str, list[int]] = {}
+    for ex in examples(tokenizer, text, cfg):
+        ids = torch.tensor([ex.prompt_ids], device=device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ex.value_tokens + cfg.new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        ok = ex.value in tokenizer.decode(out[0, ids.shape[1] :])
+        for key in ("all", ex.task, f"{ex.length}", f"depth {ex.depth}", ex.template):
+            hits.setdefault(key, [0, 0])
+            hits[key][0] += int(ok)
+            hits[key][1] += 1
+    return {k: {"correct": c, "answers": t} for k, (c, t) in hits.items()}
 
 
 def sha256_file(path: Path) -> str:
@@ -114,6 +159,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--max-minutes", type=float, default=9.0, help="hard stop")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="mla", help="mla: builtin:tiny-mla; gqa: the teacher")
+    ap.add_argument("--niah-text", type=Path, default=None, help="haystack: NIAH of the shipped weights at the end")
+    ap.add_argument("--niah-n", type=int, default=2, help="NIAH examples a cell (with --niah-text)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -121,7 +169,7 @@ def main() -> None:
     stats = json.loads((args.tokens / "tokenizer_stats.json").read_text())
     train = np.load(args.tokens / "train.u16.npy")
     val = np.load(args.tokens / "validation.u16.npy")
-    config = model_config(stats["vocab_size"], stats["eos_id"], stats["pad_id"])
+    config = FAMILIES[args.family](stats["vocab_size"], stats["eos_id"], stats["pad_id"])
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -193,12 +241,20 @@ def main() -> None:
     # ship bf16 weights (<= 25 MB); the best checkpoint was saved in fp32, convert it
     best_model = AutoModelForCausalLM.from_pretrained(args.out / "model", dtype=torch.float32)
     best_model.to(torch.bfloat16).save_pretrained(args.out / "model", max_shard_size="12MB", safe_serialization=True)
+    if (args.out / "model" / "model.safetensors").exists():  # one file in BF16: the float32 shards' index is stale
+        (args.out / "model" / "model.safetensors.index.json").unlink(missing_ok=True)
     # the shipped (BF16) weights on the whole validation and test splits, non-overlapping windows of --seq
     best_model = best_model.to(device)
     final = {"validation": evaluate(best_model, val, args.seq, device, max_windows=None)}
     if (args.tokens / "test.u16.npy").exists():
         final["test"] = evaluate(best_model, np.load(args.tokens / "test.u16.npy"), args.seq, device, max_windows=None)
     print("shipped weights, whole splits: " + ", ".join(f"{k} ppl {math.exp(v):.2f}" for k, v in final.items()))
+    niah = {}
+    if args.niah_text is not None:
+        tok = AutoTokenizer.from_pretrained(args.tokens)
+        for which in ("heldout", "train", "legacy"):
+            niah[which] = niah_own_cache(best_model, tok, args.niah_text.read_text("utf-8"), args.niah_n, which)
+            print(f"NIAH {which} (own cache): {niah[which]['all']['correct']} of {niah[which]['all']['answers']}")
     log = {
         "config_sha256": hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest(),
         "train_tokens_sha256": sha256_file(args.tokens / "train.u16.npy"),
@@ -216,6 +272,7 @@ def main() -> None:
         "best_step": best[1],
         "shipped_bf16_loss_whole_split": final,
         "shipped_bf16_ppl_whole_split": {k: math.exp(v) for k, v in final.items()},
+        "niah_own_cache": niah,
         "curve": curve,
     }
     (args.out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
@@ -230,7 +287,7 @@ def main() -> None:
         ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], label="validation")
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
-        ax.set_title(f"tiny-mla, {n_params / 1e6:.1f}M params")
+        ax.set_title(f"tiny-{args.family}, {n_params / 1e6:.1f}M params")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.out / "loss_curve.png", dpi=120)

@@ -6,8 +6,9 @@
 #   scripts/train_tiny_mla_gpu.sh pack      # .data/gpu: xz'd token arrays, tokenizer, NIAH haystack text (49 MB)
 # then on the device (carry .data/gpu; the bundled model's shards removed from the working tree, so the tree
 # and the carry fit in 64 MiB): scripts/train_tiny_mla_gpu.sh run
-# It trains for BUDGET minutes (default 6.8), evaluates the shipped BF16 weights on the whole validation and
-# test splits, runs the BF16 needle test, and leaves in $OUT the two shards and rest.tar (config, tokenizer,
+# It trains for BUDGET minutes (default 6.8) a model of FAMILY (mla: builtin:tiny-mla; gqa: the MLAfication teacher),
+# evaluates the shipped BF16 weights on the whole validation and test splits and on NIAH through the model's own
+# cache (training_log.json), runs quantmla's BF16 needle test (mla), and leaves in $OUT the two shards and rest.tar (config, tokenizer,
 # training_log.json, loss_curve.png, niah/).
 #
 # Detached, so that later calls can carry other work while it trains:
@@ -25,7 +26,7 @@ pack)
   ;;
 run)
   export PYTHONPATH=src
-  T=/tmp/tok; W=/tmp/train; mkdir -p "$T" "$W"
+  T=/tmp/tok; W=${WORK:-/tmp/train}; mkdir -p "$T" "$W"
   cp .data/gpu/tokenizer* "$T/" || exit 1
   python -c "
 import lzma, shutil
@@ -33,11 +34,12 @@ for s in ('train', 'validation', 'test'):
     with lzma.open('.data/gpu/' + s + '.u16.npy.xz') as f, open('$T/' + s + '.u16.npy', 'wb') as g:
         shutil.copyfileobj(f, g, 1 << 24)"
   python scripts/train_tiny_mla.py --tokens "$T" --out "$W" --seq 4096 --batch 16 --retrieval-share 0.2 \
+    --family "${FAMILY:-mla}" --niah-text .data/gpu/niah-text.txt \
     --budget-minutes "${BUDGET:-6.8}" --max-minutes "$(python -c "print(${BUDGET:-6.8} + 0.5)")" ${TRAIN_ARGS:-} 2>&1 | tee "$W/train.log"
-  timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
+  [ "${FAMILY:-mla}" = mla ] && timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
     --text .data/gpu/niah-text.txt --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"
   mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json"
-  cp "$W"/model/model-0000*.safetensors "$OUT/"
+  cp "$W"/model/model*.safetensors "$OUT/"
   tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah
   ;;
 launch)
