@@ -151,6 +151,26 @@ def test_raq_alloc_fits_layer_by_layer_and_allocates_as_in_memory(source, tmp_pa
                         **dict(kw, method="quantmla"))  # fmt: skip
 
 
+@pytest.mark.parametrize("method", ["quantmla", "raq"])
+def test_layers_calibrated_at_once_on_several_devices_give_the_one_device_export(source, tmp_path, method):
+    # two processes on the host stand for two GPUs: the same inputs pass, the layers shared between them
+    kw = dict(KW, method=method, scheme="c4r4")
+    calibrate_streamed(source, _windows(5), tmp_path / "one", progress=False, **kw)
+    finished = []
+    report, _ = calibrate_streamed(source, _windows(5), tmp_path / "two", progress=False, on_layer=finished.append,
+                                   stream=StreamConfig(devices=("cpu", "cpu")), **kw)  # fmt: skip
+    _assert_same(tmp_path / "one", tmp_path / "two")
+    assert sorted(finished) == [0, 1, 2] and [r["layer"] for r in report.layers] == [0, 1, 2]
+    assert not (tmp_path / ".two.quantmla-work").exists()  # the layers' inputs went with the work directory
+
+
+def test_bad_devices_are_refused_before_any_work():
+    with pytest.raises(ValueError, match="two or more devices of one kind"):
+        StreamConfig(devices=("cpu",))
+    with pytest.raises(ValueError, match="'gpu7'"):
+        StreamConfig(devices=("cpu", "gpu7"))
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3_halfrope_noqlora", "glm4_moe_lite"])
 def test_every_streamed_family_equals_in_memory(tmp_path, family):
     # unquantised checkpoints of the other families, dense and MoE layers mixed (each layer built with its kind)
@@ -223,3 +243,10 @@ def test_the_cli_calibrates_layer_by_layer_with_progress(tmp_path):
     assert res.exit_code == 0, res.output
     assert "layer by layer" in res.output and "2/2" in res.output  # the per-layer progress bar
     assert "tensors changed" in res.output and (tmp_path / "out" / "quantmla.json").is_file()
+    for extra, message in ((["--devices", "cpu"], "two or more devices of one kind"),
+                           (["--devices", "cpu,gpu7"], "'gpu7' is not a device name")):  # fmt: skip
+        res = CliRunner().invoke(app, ["calibrate", str(src), "--out", str(tmp_path / "bad"), "--sequential", *extra])
+        assert res.exit_code == 2 and message in res.output, res.output
+    res = CliRunner().invoke(app, ["calibrate", str(src), "--out", str(tmp_path / "bad"), "--devices", "cpu,cpu"])
+    assert res.exit_code == 2 and "apply to --sequential" in res.output, res.output
+    assert not (tmp_path / "bad").exists()

@@ -186,7 +186,7 @@ def test_sequential_options_are_checked_before_any_weight(no_weights, tmp_path, 
     monkeypatch.setattr(streaming.CheckpointLayers, "layer", boom)
     monkeypatch.setattr(streaming.CheckpointLayers, "embedding", boom)
     out = ["--out", str(tmp_path / "o"), "--num-seqs", "2", "--val-seqs", "1", "--seq-len", "64"]
-    _usage_error(["calibrate", *out, "--offload", "disk"], "--offload, --resume and --work-dir apply to --sequential")
+    _usage_error(["calibrate", *out, "--offload", "disk"], "--work-dir and --devices apply to --sequential")
     _usage_error(["calibrate", *out, "--sequential", "--offload", "nvme"], "offload='nvme'", "cpu, disk")
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "x").write_text("x")

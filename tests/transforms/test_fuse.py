@@ -160,3 +160,16 @@ def test_bad_transforms():
         original_basis(torch.tensor([1.0, -2.0, 0.0]))
     with pytest.raises(ValueError, match="no attention module with cache index 9"):
         fuse_transforms(m, content={9: ContentTransform(torch.eye(128).double(), torch.ones(128).double())})
+
+
+@pytest.mark.parametrize("d", [8, 64, 512])
+def test_the_polar_factor_is_the_svds_on_nearly_orthogonal_matrices(d):
+    from quantmla.transforms.fuse import polar_factor
+
+    g = torch.Generator().manual_seed(d)
+    a = torch.randn(d, d, generator=g, dtype=torch.float64) * 0.02
+    r = torch.linalg.matrix_exp(a - a.T) + 1e-9 * torch.randn(d, d, generator=g, dtype=torch.float64)  # rounding
+    p = polar_factor(r)
+    u, _, vh = torch.linalg.svd(r)
+    assert torch.allclose(p, u @ vh, atol=1e-12, rtol=0)
+    assert torch.allclose(p.T @ p, torch.eye(d, dtype=torch.float64), atol=1e-12, rtol=0)

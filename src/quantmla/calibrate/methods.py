@@ -38,7 +38,7 @@ from torch import nn
 from quantmla.calibrate.objectives import LayerBatch, content_loss, rope_loss
 from quantmla.formats.export import METHODS
 from quantmla.formats.scheme import PathFormat
-from quantmla.transforms.fuse import ContentTransform, RopeTransform, original_basis
+from quantmla.transforms.fuse import ContentTransform, RopeTransform, original_basis, polar_factor
 
 logger = logging.getLogger(__name__)
 ORIGINAL = "original"  # the candidate name of the original-basis identity (RTN)
@@ -99,8 +99,7 @@ class ContentParam(nn.Module):
     @torch.no_grad()
     def transform(self) -> ContentTransform:
         """The current transform; matrix_exp's rounding is removed by re-orthogonalising (polar factor)."""
-        u, _, vh = torch.linalg.svd(self.rotation())
-        return ContentTransform(u @ vh, self.scales().clone())
+        return ContentTransform(polar_factor(self.rotation()), self.scales().clone())
 
 
 class RopeParam(nn.Module):

@@ -25,7 +25,7 @@ from quantmla.calibrate.objectives import LayerBatch, attention_probs
 from quantmla.formats.scheme import PathFormat
 from quantmla.models.adapter import MLAAdapter
 from quantmla.quant.ranged import ste_ranged
-from quantmla.transforms.fuse import ContentTransform
+from quantmla.transforms.fuse import ContentTransform, polar_factor
 
 BLOCK = 64  # eigen-directions per refined block
 KL_WEIGHT = 1.0  # weight of the prediction-matching term
@@ -125,7 +125,6 @@ def fit_layer(train: list[LayerBatch], val: list[LayerBatch], adapter: MLAAdapte
     if init == ORIGINAL:  # the rotation is not learned there: kept exactly (it fuses to the identity)
         rot = p.r0.cpu()
     else:
-        u, _, vh = torch.linalg.svd(r.detach().double().cpu())  # re-orthogonalised (matrix_exp's rounding)
-        rot = u @ vh
+        rot = polar_factor(r.detach().double().cpu())  # re-orthogonalised (matrix_exp's rounding)
     info["ratios"], info["gains"] = ratios.detach().cpu().tolist(), gains.detach().cpu().tolist()
     return ContentTransform(rot, p.scales.cpu()), ratios.detach().cpu(), gains.detach().cpu(), info

@@ -20,7 +20,6 @@ bit, on the same device.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -40,20 +39,19 @@ from quantmla.calibrate.api import (
     calibrate_model,
     calibration_windows,
     export_changed,
-    layer_stage_on,
     layer_stage_windows,
     write_export_meta,
 )
-from quantmla.calibrate.checkpoint import StoredTensors, calibrated_tensor_names, changed_among, write_changed
-from quantmla.calibrate.related import CODEC_METHODS, fit_codec, raq_alloc_fits
+from quantmla.calibrate.checkpoint import StoredTensors, write_changed
+from quantmla.calibrate.layer_work import WorkDir, calibrate_layer, finish_layer, kept
+from quantmla.calibrate.parallel_layers import calibrate_in_parallel
+from quantmla.calibrate.related import CODEC_METHODS
 from quantmla.formats.codec import ModelCodec
 from quantmla.formats.scheme import parse_scheme
 from quantmla.measure.layer_inputs import OFFLOAD, StreamedInputs
-from quantmla.models.adapter import get_adapter
 from quantmla.models.latent import enable_latent_attention
-from quantmla.models.loading import load_model
+from quantmla.models.loading import load_model, resolve_device
 from quantmla.models.streaming import CheckpointLayers
-from quantmla.transforms.fuse import fuse_content, fuse_rope
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +59,6 @@ logger = logging.getLogger(__name__)
 STREAMED_METHODS = ("rtn", "smoothquant", "quarot", "quantmla", "raq", "rolaq", "blockgtq")
 #: the methods that need the whole model in memory after (or instead of) the layer-by-layer part
 WHOLE_MODEL_METHODS = ("quantmla-raq", "raq-alloc")
-STATE_FILE = "state.json"
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,9 @@ class StreamConfig:
     """Where a layer-by-layer calibration runs: ``device``, the model ``dtype``, where the hidden states wait
     between layers (``offload``: ``cpu`` or ``disk``), the ``work_dir`` of per-layer results, ``resume``,
     and ``memory_limit``: the bytes a whole model may take to run the whole-model stages (``None``: 80% of the
-    device's memory)."""
+    device's memory). ``devices``: calibrate the layers on these devices at once, one process each (:func:`parallel`;
+    ``device`` must be the first of them: the pass that computes each layer's inputs runs there); ``()``: on
+    ``device`` alone."""
 
     device: str = "cpu"
     dtype: str = "auto"
@@ -77,10 +76,18 @@ class StreamConfig:
     work_dir: Path | None = None
     resume: bool = False
     memory_limit: int | None = None
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD:
             raise ValueError(f"offload={self.offload!r}; valid: {', '.join(OFFLOAD)}")
+        if self.devices:
+            resolved = [str(resolve_device(d)) for d in self.devices]
+            if len(resolved) < 2 or len({d.split(":")[0] for d in resolved}) != 1:
+                raise ValueError(f"devices={list(self.devices)}: two or more devices of one kind, a process each"
+                                 " (e.g. cuda:0,cuda:1)")  # fmt: skip
+            if str(resolve_device(self.device)) != resolved[0]:
+                raise ValueError(f"device={self.device!r} must be the first of devices={list(self.devices)}")
         if self.memory_limit is not None and self.memory_limit < 0:
             raise ValueError(f"memory_limit={self.memory_limit} must be >= 0 bytes")
 
@@ -110,56 +117,6 @@ def plan(layers: CheckpointLayers, cfg: CalibrationConfig, limit: int) -> tuple[
                 f"quantmla's model-level stage needs the whole model ({need}): skipped; the layer stage's transforms"
                 " are exported")  # fmt: skip
     return cfg, False, f"{cfg.method}: every step per layer"
-
-
-class WorkDir:
-    """The per-layer results of one calibration run: ``state.json`` (what run), ``layer-NNN.safetensors`` (its
-    changed tensors) and ``layer-NNN.pt`` (its report row and transforms; written last: the layer is done)."""
-
-    def __init__(self, path: Path, state: dict, resume: bool) -> None:
-        self.path, self.state = Path(path), json.loads(json.dumps(state))  # as the file holds it (lists)
-        self.check(resume)
-
-    def check(self, resume: bool) -> None:
-        """A ``ValueError`` unless the directory is new (or empty), or, with ``resume``, holds a run of ``state``."""
-        f = self.path / STATE_FILE
-        if f.is_file():
-            old = json.loads(f.read_text())
-            if not resume:
-                raise ValueError(f"{self.path} holds an earlier run's layers: pass --resume to continue it, or remove"
-                                 " the directory")  # fmt: skip
-            diff = sorted(k for k in set(old) | set(self.state) if old.get(k) != self.state.get(k))
-            if diff:
-                raise ValueError(f"{self.path} holds a run with other {', '.join(diff)}: it cannot be resumed with"
-                                 " these settings")  # fmt: skip
-        elif self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
-            raise ValueError(f"{self.path} exists and is not a quantmla work directory (no {STATE_FILE})")
-
-    def open(self) -> WorkDir:
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / STATE_FILE).write_text(json.dumps(self.state, indent=2) + "\n")
-        return self
-
-    def tensors(self, index: int) -> Path:
-        return self.path / f"layer-{index:03d}.safetensors"
-
-    def result(self, index: int) -> Path:
-        return self.path / f"layer-{index:03d}.pt"
-
-    def done(self, index: int) -> bool:
-        return self.result(index).is_file()
-
-    def save(self, index: int, changed: dict[str, torch.Tensor], result: dict) -> None:
-        from safetensors.torch import save_file
-
-        save_file({n: t.detach().cpu().contiguous() for n, t in changed.items()}, str(self.tensors(index)))
-        tmp = self.result(index).with_suffix(".tmp")
-        torch.save(result, tmp)
-        tmp.rename(self.result(index))
-
-    def load(self, index: int) -> dict:
-        # our own file, written by save(): transforms are dataclasses of tensors
-        return torch.load(self.result(index), weights_only=False)
 
 
 @dataclass
@@ -254,6 +211,12 @@ def _stream_layers(layers: CheckpointLayers, cfg, train_w, val_w, data_sha, stre
         scratch.mkdir(parents=True)
     inputs = StreamedInputs(embedding, windows, cfg.batch_size, stream.offload, scratch)
     del embedding
+    if stream.devices:
+        try:
+            return calibrate_in_parallel(layers, cfg, train_w, val_w, data_sha, inputs, stream.devices, work, progress,
+                                         on_layer)  # fmt: skip
+        finally:
+            inputs.close()
     results: dict[int, dict] = {}
     resumed = sum(work.done(i) for i in range(layers.num_layers))
     if resumed:
@@ -268,63 +231,19 @@ def _stream_layers(layers: CheckpointLayers, cfg, train_w, val_w, data_sha, stre
             enable_latent_attention(model)
             inputs.set_layer(idx, model)
             if work.done(idx):
-                results[idx] = _kept(work.load(idx))
+                results[idx] = kept(work.load(idx))
                 inputs.advance()
                 continue
-            result = _calibrate_layer(model, idx, cfg, train_w, val_w, data_sha, inputs)
+            result = calibrate_layer(model, idx, cfg, train_w, val_w, data_sha, inputs)
             inputs.advance()  # the next layer's inputs, from this layer unfused (fusing keeps its function)
-            _fuse(model, idx, cfg, result)
-            prefix = "model.layers.0."
-            named = {f"model.layers.{idx}." + n[len(prefix) :]: t for n, t in calibrated_tensor_names(model).items()}
-            changed = changed_among(named, layers.source.path, layers.source.fp8)
-            work.save(idx, changed, result)
-            peak = f", peak GPU memory {torch.cuda.max_memory_allocated(layers.device) / 2**30:.2f} GiB" if (
-                layers.device.type == "cuda") else ""  # fmt: skip
-            logger.info("layer %d: %.1f s, %d tensors changed%s", idx, time.perf_counter() - start, len(changed), peak)
-            results[idx] = _kept(result)
-            del model, result, changed, named
+            finish_layer(model, idx, cfg, result, layers.source, work, start)
+            results[idx] = kept(result)
+            del model, result
             if on_layer is not None:
                 on_layer(idx)
     finally:
         inputs.close()
     return results
-
-
-def _kept(result: dict) -> dict:
-    """What stays in memory of a layer's result (its transforms stay in the work directory): the report row and a
-    codec method's layer codec, which the export writes."""
-    return {"row": result["row"], "codec": result.get("codec"), "fused": result.get("fused") is not None}
-
-
-def _calibrate_layer(model, idx, cfg, train_w, val_w, data_sha, inputs) -> dict:
-    adapter = get_adapter(model)
-    modules = [(i, attn) for i, attn in adapter.attention_modules(model) if i == idx]
-    long = layer_stage_windows(cfg, train_w, val_w)[2:] or None
-    if cfg.method == "raq-alloc":  # the fits; the allocation needs the whole model (after the layers)
-        fits = raq_alloc_fits(inputs, modules, train_w, val_w, cfg, False, tuple(long) if long else None)
-        return {"row": {"layer": idx}, "alloc_fits": fits, "codec": None, "fused": None}
-    if cfg.method in CODEC_METHODS:
-        codec, rows, fused, _ = fit_codec(model, adapter, modules, train_w, val_w, cfg, False,
-                                          tuple(long) if long else None, inputs=inputs)  # fmt: skip
-        return {"row": rows[0], "codec": codec.layers[0], "fused": fused.get(idx)}
-    stage = layer_stage_on(model, adapter, modules, train_w, val_w, cfg, data_sha, inputs)
-    return {"row": stage.rows[0], "chosen": stage.chosen[idx], "candidates": stage.candidates[idx]}
-
-
-def _fuse(model, idx, cfg, result) -> None:
-    adapter = get_adapter(model)
-    attn = dict(adapter.attention_modules(model))[idx]
-    if cfg.method in CODEC_METHODS:
-        if result["fused"] is not None:
-            fuse_content(adapter, attn, result["fused"])
-        return
-    if cfg.method == "rtn":
-        return
-    ct, rt = result["chosen"]
-    if "content" in cfg.paths:
-        fuse_content(adapter, attn, ct)
-    if "rope" in cfg.paths:
-        fuse_rope(adapter, attn, rt, model.config)
 
 
 def _alloc_fits_of(work: WorkDir, indices: list[int]) -> dict[tuple[str, str], list]:

@@ -139,6 +139,20 @@ def analyze(
         Console().print(f"wrote {out}/analysis.json, analysis.csv, analysis.png")
 
 
+def _devices(text: str | None) -> tuple[str, ...]:
+    """``--devices``: a comma list of devices, or ``all`` (every visible GPU)."""
+    import torch
+
+    if text is None:
+        return ()
+    if text.strip() == "all":
+        n = torch.cuda.device_count()
+        if n < 2:
+            raise ValueError(f"--devices all: {n} GPU visible; it needs two or more")
+        return tuple(f"cuda:{i}" for i in range(n))
+    return tuple(d.strip() for d in text.split(",") if d.strip())
+
+
 @app.command()
 def calibrate(
     model: str = typer.Argument("builtin:tiny-mla", help="builtin:NAME, a local model directory, or a cached hub id."),
@@ -206,6 +220,12 @@ def calibrate(
     work_dir: Path = typer.Option(
         None, "--work-dir", help="With --sequential: per-layer results (default: .OUT.quantmla-work beside --out)."
     ),
+    devices: str = typer.Option(
+        None,
+        "--devices",
+        help="With --sequential: calibrate the layers at once on these devices, a process each (e.g. cuda:0,cuda:1;"
+        " all: every visible GPU); each layer's inputs are computed on the first.",
+    ),
 ) -> None:
     """Learn (or set) fusable per-path transforms, fuse them into the weights, export a model directory."""
     import torch
@@ -223,7 +243,8 @@ def calibrate(
         model_objective=model_objective, model_seq_len=model_seq_len, rope_fit_seq_len=rope_fit_seq_len,
     )  # fmt: skip
     with user_errors():  # every input is checked before a weight is read
-        dev = loading.resolve_device(device)
+        spread = _devices(devices)
+        dev = loading.resolve_device(spread[0] if spread and device == DEVICE_DEFAULT else device)
         torch_dtype = loading.resolve_dtype(dtype, dev)
         cfg = CalibrationConfig(**kwargs)
         check_out(out, overwrite)
@@ -231,8 +252,8 @@ def calibrate(
         if keep_bf16 and src.fp8 is None:
             raise ValueError(f"--keep-bf16 applies to an FP8 checkpoint; {src.path} is unquantised")
         check_cache(src, cfg.scheme, cfg.group_size)
-        if not sequential and (offload is not None or resume or work_dir is not None):
-            raise ValueError("--offload, --resume and --work-dir apply to --sequential calibration")
+        if not sequential and (offload is not None or resume or work_dir is not None or devices is not None):
+            raise ValueError("--offload, --resume, --work-dir and --devices apply to --sequential calibration")
         body = loading.load_text(text, dataset, split)
         train_w, val_w, _ = calibration_windows(loading.load_tokenizer(src), body, cfg)  # enough text for the windows
         top, vocab = int(torch.cat([train_w, val_w]).max()), src.config.vocab_size
@@ -240,7 +261,8 @@ def calibrate(
             raise ValueError(f"the tokenizer of {src.path} gives token id {top}, beyond the model's vocab_size"
                              f" {vocab}: it is not this model's tokenizer")  # fmt: skip
         if sequential:
-            stream = StreamConfig(str(dev), loading.dtype_name(torch_dtype), offload or "cpu", work_dir, resume)
+            stream = StreamConfig(str(dev), loading.dtype_name(torch_dtype), offload or "cpu", work_dir, resume,
+                                  devices=spread)  # fmt: skip
             run = prepare_streamed(src, torch.cat([train_w, val_w]), out, stream=stream, **kwargs)
     with internal_errors("calibrate"):
         if sequential:

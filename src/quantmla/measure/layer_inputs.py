@@ -92,6 +92,8 @@ class StreamedInputs:
             raise ValueError(f"batch_size={self.batch_size} must be >= 1")
         if self.offload == "disk" and self.scratch is None:
             self.scratch, self._own_scratch = Path(tempfile.mkdtemp(prefix="quantmla-activations-")), True
+        if self.embedding is None:
+            raise ValueError("StreamedInputs needs the embedding model (or StreamedInputs.from_snapshot)")
         device = next(self.embedding.parameters()).device
         layer = self.embedding.model.layers[0]
         for w in self.windows:
@@ -119,6 +121,34 @@ class StreamedInputs:
     def _load(self, stored, device) -> torch.Tensor:
         t = stored if isinstance(stored, torch.Tensor) else torch.load(stored, mmap=True, weights_only=True)
         return t.to(device)
+
+    def snapshot(self, path: Path) -> None:
+        """Write the kept hidden states (the current layer's inputs) and the layer keyword arguments to the new
+        directory ``path``, one file a batch, for :meth:`from_snapshot` in another process."""
+        path = Path(path)
+        path.mkdir(parents=True)
+        names = {}
+        for key, states in self._states.items():
+            names[key] = []
+            for b, stored in enumerate(states):
+                name = f"{key}-{b}.pt"
+                torch.save(self._load(stored, "cpu"), path / name)
+                names[key].append(name)
+        torch.save({"index": self.index, "batch_size": self.batch_size, "windows": self.windows, "states": names,
+                    "kwargs": self._kwargs}, path / "inputs.pt")  # fmt: skip
+
+    @classmethod
+    def from_snapshot(cls, path: Path) -> StreamedInputs:
+        """The stream as :meth:`snapshot` left it at ``path``: at the same layer, its hidden states read from there
+        one batch at a time (the directory stays the caller's)."""
+        path = Path(path)
+        meta = torch.load(path / "inputs.pt", weights_only=False)  # our own file: tensors, lists and dicts
+        self = cls.__new__(cls)
+        self.embedding, self.windows, self.batch_size = None, meta["windows"], meta["batch_size"]
+        self.offload, self.scratch, self.index, self.layer_model = "disk", path, meta["index"], None
+        self._states = {key: [path / n for n in names] for key, names in meta["states"].items()}
+        self._kwargs, self._own_scratch = meta["kwargs"], False
+        return self
 
     def set_layer(self, index: int, layer_model: nn.Module) -> None:
         """Decoder layer ``index`` (a one-layer model, :meth:`~quantmla.models.streaming.CheckpointLayers.layer`)

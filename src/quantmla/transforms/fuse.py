@@ -134,3 +134,12 @@ def fuse_transforms(model: nn.Module, content: dict | None = None, rope: dict | 
 def random_orthogonal(d: int, generator: torch.Generator | None = None, dtype=torch.float64) -> torch.Tensor:
     q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+def polar_factor(r: torch.Tensor) -> torch.Tensor:
+    """The orthogonal polar factor ``r (rᵀ r)^(-1/2)`` of a nearly orthogonal ``r`` (the rotation a learned
+    ``matrix_exp`` gives, re-orthogonalised against its rounding): the ``u vᵀ`` of its SVD, computed through the
+    symmetric eigendecomposition of ``rᵀ r``, since LAPACK's SVD can fail to converge on a matrix whose singular values
+    all cluster at 1."""
+    lam, w = torch.linalg.eigh(r.mT @ r)
+    return r @ (w * lam.rsqrt()) @ w.mT
