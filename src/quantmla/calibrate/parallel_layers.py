@@ -47,8 +47,19 @@ def calibrate_in_parallel(layers: CheckpointLayers, cfg, train_w, val_w, data_sh
     ctx = multiprocessing.get_context("spawn")
     todo, done = ctx.Queue(), ctx.Queue()
     # on the host a reduction's order follows the thread count: the processes take this one's (the same results)
-    args = (str(layers.source.path), str(layers.dtype).removeprefix("torch."), cfg, train_w, val_w, data_sha,
-            str(work.path), todo, done, torch.get_num_threads())  # fmt: skip
+    args = (
+        str(layers.source.path),
+        str(layers.dtype).removeprefix("torch."),
+        cfg,
+        train_w,
+        val_w,
+        data_sha,
+        str(work.path),
+        todo,
+        done,
+        torch.get_num_threads(),
+        logging.getLogger("quantmla").getEffectiveLevel(),
+    )
     procs = [ctx.Process(target=_worker, args=(d, *args), daemon=True) for d in devices]
     for p in procs:
         p.start()
@@ -111,9 +122,12 @@ def _collect(done, procs, results, work: WorkDir, bar, on_layer, block: bool) ->
             on_layer(idx)
 
 
-def _worker(device, source, dtype, cfg, train_w, val_w, data_sha, work_path, todo, done, threads) -> None:
-    """One device's process: calibrate the layers it is handed until it is handed ``None``."""
+def _worker(device, source, dtype, cfg, train_w, val_w, data_sha, work_path, todo, done, threads, level) -> None:
+    """One device's process: calibrate the layers it is handed until it is handed ``None``; its log lines (each
+    layer's time) at the parent's level, named by the device."""
     torch.set_num_threads(threads)
+    logging.basicConfig(level=level, format=f"[{device}] %(name)s: %(message)s")
+    logging.getLogger("quantmla").setLevel(level)
     work = WorkDir.existing(Path(work_path))
     layers = CheckpointLayers(source, dtype, device)
     while (idx := todo.get()) is not None:
