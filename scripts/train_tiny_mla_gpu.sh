@@ -12,10 +12,9 @@
 # training_log.json, loss_curve.png, niah/).
 #
 # Detached, so that later calls can carry other work while it trains:
-#   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to /tmp/qm and starts `pipeline` in
-#                                           # its own session: `run`, then BF16 NIAH of the new weights on the
-#                                           # held-out and training templates and RULER's sentence; results in /tmp/res
-#   scripts/train_tiny_mla_gpu.sh collect   # waits for the pipeline (at most WAIT s), packs /tmp/res into $OUT
+#   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to /tmp/qm and starts `run` there in
+#                                           # its own session, its results in /tmp/res
+#   scripts/train_tiny_mla_gpu.sh collect   # waits for it (at most WAIT s), packs /tmp/res into $OUT
 set -u
 case "${1:-}" in
 pack)
@@ -45,29 +44,16 @@ for s in ('train', 'validation', 'test'):
 launch)
   rm -rf /tmp/qm /tmp/res && mkdir -p /tmp/qm /tmp/res
   cp -r src scripts pyproject.toml .data /tmp/qm/ || exit 1
-  cd /tmp/qm && setsid nohup bash scripts/train_tiny_mla_gpu.sh pipeline \
+  cd /tmp/qm && OUT=/tmp/res setsid nohup bash -c 'bash scripts/train_tiny_mla_gpu.sh run; touch /tmp/res/DONE' \
     > /tmp/res/pipeline.log 2>&1 < /dev/null &
   sleep "${LAUNCH_WAIT:-45}"; cat /tmp/res/pipeline.log
-  ;;
-pipeline)
-  t0=$(date +%s)
-  mkdir -p /tmp/res/train
-  OUT=/tmp/res/train NIAH_ARGS="--dtype float32" bash scripts/train_tiny_mla_gpu.sh run
-  echo "trained at $(($(date +%s) - t0)) s"
-  export PYTHONPATH=src
-  for t in heldout train legacy; do
-    timeout 240 python -m quantmla eval niah /tmp/train/model --scheme bf16 --templates $t -n "${NIAH_N:-2}" \
-      --device cuda --dtype float32 --out /tmp/res/niah-$t > /tmp/res/niah-$t.log 2>&1
-    echo "niah $t: rc $? at $(($(date +%s) - t0)) s"
-  done
-  touch /tmp/res/DONE
   ;;
 collect)
   for _ in $(seq "${WAIT:-500}"); do [ -f /tmp/res/DONE ] && break; sleep 1; done
   cat /tmp/res/pipeline.log
-  cp /tmp/res/train/model-0000*.safetensors "$OUT/" 2>/dev/null
+  cp /tmp/res/model*.safetensors "$OUT/" 2>/dev/null
   tar -C /tmp/res -czf "$OUT/res.tar.gz" --exclude='*.safetensors' .
   ls -la "$OUT"
   ;;
-*) echo "usage: $0 pack|run|launch|pipeline|collect" >&2; exit 2 ;;
+*) echo "usage: $0 pack|run|launch|collect" >&2; exit 2 ;;
 esac

@@ -151,14 +151,17 @@ def test_raq_alloc_fits_layer_by_layer_and_allocates_as_in_memory(source, tmp_pa
                         **dict(kw, method="quantmla"))  # fmt: skip
 
 
+OFFLOADS = {"quantmla": "cpu", "raq": "disk"}  # the inputs handed over from memory, and as linked files
+
+
 @pytest.mark.parametrize("method", ["quantmla", "raq"])
 def test_layers_calibrated_at_once_on_several_devices_give_the_one_device_export(source, tmp_path, method):
     # two processes on the host stand for two GPUs: the same inputs pass, the layers shared between them
     kw = dict(KW, method=method, scheme="c4r4")
     calibrate_streamed(source, _windows(5), tmp_path / "one", progress=False, **kw)
-    finished = []
+    finished, two = [], StreamConfig(devices=("cpu", "cpu"), offload=OFFLOADS[method])
     report, _ = calibrate_streamed(source, _windows(5), tmp_path / "two", progress=False, on_layer=finished.append,
-                                   stream=StreamConfig(devices=("cpu", "cpu")), **kw)  # fmt: skip
+                                   stream=two, **kw)  # fmt: skip
     _assert_same(tmp_path / "one", tmp_path / "two")
     assert sorted(finished) == [0, 1, 2] and [r["layer"] for r in report.layers] == [0, 1, 2]
     assert not (tmp_path / ".two.quantmla-work").exists()  # the layers' inputs went with the work directory

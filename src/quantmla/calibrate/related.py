@@ -66,8 +66,6 @@ def fit_codec(model, adapter, modules, train_w, val_w, cfg, progress: bool, long
     source = model if inputs is None else inputs
     if cfg.method == "raq-alloc" and inputs is not None:
         raise ValueError("raq-alloc allocates formats by the whole model's held-out KL: it needs the model in memory")
-    if alloc_fits is not None and cfg.method != "raq-alloc":
-        raise ValueError(f"alloc_fits are raq-alloc's fits; method {cfg.method} takes none")
     if cfg.method == "blockgtq":
         d_r = modules[0][1].qk_rope_head_dim
         pairs = adapter.rope_layout(model.config).cache_pairs(d_r)

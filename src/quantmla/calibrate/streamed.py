@@ -66,7 +66,8 @@ class StreamConfig:
     """Where a layer-by-layer calibration runs: ``device``, the model ``dtype``, where the hidden states wait
     between layers (``offload``: ``cpu`` or ``disk``), the ``work_dir`` of per-layer results, ``resume``,
     and ``memory_limit``: the bytes a whole model may take to run the whole-model stages (``None``: 80% of the
-    device's memory). ``devices``: calibrate the layers on these devices at once, one process each (:func:`parallel`;
+    device's memory). ``devices``: calibrate the layers on these devices at once, one process each
+    (:func:`~quantmla.calibrate.parallel_layers.calibrate_in_parallel`;
     ``device`` must be the first of them: the pass that computes each layer's inputs runs there); ``()``: on
     ``device`` alone."""
 

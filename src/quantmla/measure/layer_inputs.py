@@ -14,6 +14,7 @@ either.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -132,7 +133,13 @@ class StreamedInputs:
             names[key] = []
             for b, stored in enumerate(states):
                 name = f"{key}-{b}.pt"
-                torch.save(self._load(stored, "cpu"), path / name)
+                if isinstance(stored, Path):  # already a file (offload="disk"): linked, not read and written again
+                    try:
+                        os.link(stored, path / name)
+                    except OSError:  # another file system
+                        shutil.copyfile(stored, path / name)
+                else:
+                    torch.save(stored, path / name)
                 names[key].append(name)
         torch.save({"index": self.index, "batch_size": self.batch_size, "windows": self.windows, "states": names,
                     "kwargs": self._kwargs}, path / "inputs.pt")  # fmt: skip
