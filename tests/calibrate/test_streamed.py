@@ -53,7 +53,7 @@ def _assert_same(a: Path, b: Path) -> None:
             assert v == fb[k], k
 
 
-@pytest.mark.parametrize("method", ["quantmla", "smoothquant", "raq", "rolaq", "blockgtq"])
+@pytest.mark.parametrize("method", ["rtn", "quantmla", "smoothquant", "quarot", "raq", "rolaq", "blockgtq"])
 def test_layer_by_layer_equals_in_memory(source, tmp_path, method):
     kw = dict(KW, method=method, scheme=SCHEMES.get(method, "c4r4"))
     report, wrote = calibrate_streamed(source, _windows(), tmp_path / "streamed", progress=False, **kw)

@@ -49,20 +49,3 @@ def test_max_memory_text():
     assert parse_max_memory("0=70GiB,cpu=200GiB") == {0: "70GiB", "cpu": "200GiB"}
     with pytest.raises(ValueError, match="DEVICE=SIZE"):
         parse_max_memory("70GiB")
-
-
-def test_the_progress_bar_says_which_layer_runs():
-    from tqdm.auto import tqdm
-
-    from quantmla.measure.progress import layer_postfix
-
-    model, _ = load("builtin:tiny-mla")
-    seen = []
-    bar = tqdm(total=1, disable=False)
-    bar.set_postfix_str = lambda text, refresh=True: seen.append(text)
-    with layer_postfix(model, bar), torch.no_grad():
-        model(torch.tensor([[5, 6, 7]]))
-    n = model.config.num_hidden_layers
-    assert seen == [f"layer {i}/{n}" for i in range(1, n + 1)]
-    model(torch.tensor([[5]]))  # the hooks are gone after the block
-    assert len(seen) == n

@@ -155,6 +155,9 @@ class CalibrationReport:
     allocation: dict | None = None
     #: whether transforms were fused into the weights (``rtn``, and a codec method that fused none: ``False``)
     weights_changed: bool = False
+    #: the transforms fused, by cache index: ``(content or None, RoPE or None)`` (an FP8 export fuses them again in
+    #: float32: :func:`~quantmla.calibrate.checkpoint.fp8_fused_in_float32`)
+    fused: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
         d = {"config": asdict(self.config), "data_sha256": self.data_sha256, "layers": self.layers}
@@ -209,6 +212,7 @@ def calibrate_model(
             if idx in fused:
                 fuse_content(adapter, attn, fused[idx])
         report.weights_changed = bool(fused)
+        report.fused = {idx: (t, None) for idx, t in fused.items()}
         what = "content rotations fused into the weights" if fused else "the weights are left untouched"
         logger.info("method %s: %s; the cache codec is %r", cfg.method, what, report.codec.name)
         return model, report
@@ -240,6 +244,8 @@ def calibrate_model(
         if "rope" in cfg.paths:
             fuse_rope(adapter, attn, chosen[idx][1], model.config)
     report.weights_changed = bool(cfg.paths)
+    report.fused = {idx: tuple(t if p in cfg.paths else None for p, t in zip(PATHS, chosen[idx], strict=True))
+                    for idx, _ in modules}  # fmt: skip
     if report.model_level is not None:
         _final_layer_errors(model, adapter, modules, val_w, cfg, report.layers)
     if cfg.method == "quantmla-raq":  # and on the fused model; per layer and path the better held-out fit
@@ -423,12 +429,12 @@ def export_changed(model: nn.Module, source: str | Path, out: str | Path, report
                    copy: bool = False, keep_bf16: bool = False) -> dict:  # fmt: skip
     """Write ``model``, calibrated from the checkpoint directory ``source``, as that checkpoint with only its changed
     tensors replaced (untouched shards hard-linked, or copied with ``copy``; an FP8 source's changed weights
-    re-quantised, or kept in BF16 with ``keep_bf16``), and ``quantmla.json``: :mod:`quantmla.calibrate.checkpoint`.
-    Returns what it wrote (changed tensors, rewritten and linked shards)."""
+    re-quantised from their float32 fusion, or kept in BF16 with ``keep_bf16``), and ``quantmla.json``:
+    :mod:`quantmla.calibrate.checkpoint`. Returns what it wrote (changed tensors, rewritten and linked shards)."""
     from quantmla.calibrate.checkpoint import export_changed as write
 
     dtype = next(model.parameters()).dtype
-    return write(model, source, out, lambda d: write_export_meta(d, report, dtype), copy, keep_bf16)
+    return write(model, source, out, lambda d: write_export_meta(d, report, dtype), copy, keep_bf16, report.fused)
 
 
 def write_export_meta(out: Path, report: CalibrationReport, dtype: torch.dtype) -> None:

@@ -6,9 +6,9 @@ for DeepSeek-V3), so :func:`export_changed` compares those tensors with the sour
 
 * every source shard with no changed tensor, hard-linked (``copy=True``: copied);
 * every shard holding a changed tensor, anew: its other tensors as they were (FP8 codes and scales included), the
-  changed ones in the source's format: an FP8 block-quantised weight re-quantised with new 128 x 128 block scales,
-  or, with ``keep_bf16``, in BF16 without a scale (its module named in the quantization config's
-  ``modules_to_not_convert``); an unquantised one in its dtype;
+  changed ones in the source's format: an FP8 block-quantised weight re-quantised with new 128 x 128 block scales
+  from its float32 fusion (whatever dtype the model ran in), or, with ``keep_bf16``, in BF16 without a scale (its
+  module named in the quantization config's ``modules_to_not_convert``); an unquantised one in its dtype;
 * the index with the same shard names, the source's ``config.json`` (and ``generation_config.json``, tokenizer
   files) and ``quantmla.json``.
 
@@ -18,11 +18,12 @@ unquantised source), in :func:`quantmla.load` and in vLLM as the calibrated mode
 
 from __future__ import annotations
 
+import copy as copying
 import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from quantmla.models.fp8_checkpoint import (
     shards,
     tensor_headers,
 )
+from quantmla.transforms.fuse import ContentTransform, RopeTransform, fuse_content, fuse_rope
 
 logger = logging.getLogger(__name__)
 
@@ -63,28 +65,65 @@ def _headers(files: list[Path]) -> dict[str, tuple[Path, str]]:
     return {name: (f, dtype) for f, name, dtype, _ in tensor_headers(files)}
 
 
-def changed_tensors(model: nn.Module, source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:
-    """The calibrated tensors that differ from the source checkpoint's (an FP8 weight compared dequantised)."""
-    return changed_among(calibrated_tensor_names(model), source, blocks)
-
-
 def changed_among(tensors: dict[str, torch.Tensor], source: Path, blocks: Fp8Blocks | None) -> dict[str, torch.Tensor]:
     """Those of ``tensors`` (by checkpoint name) that differ from the source checkpoint's."""
-    from safetensors import safe_open
-
     where = _headers(shards(source))
     out = {}
     for name, t in tensors.items():
         if name not in where:
             raise ValueError(f"{source}: the calibrated tensor {name} is not in the checkpoint")
-        with safe_open(str(where[name][0]), framework="pt") as st:
-            old = st.get_tensor(name)
-            if old.dtype == torch.float8_e4m3fn:
-                scale = name + SCALE_SUFFIX
-                with safe_open(str(where[scale][0]), framework="pt") as ss:
-                    old = dequantize_blocks(old, ss.get_tensor(scale), blocks, torch.float32)
+        old = _source_tensor(name, where, blocks)
         if not torch.equal(old.to(t.dtype).to(t.device), t.detach()):
             out[name] = t.detach()
+    return out
+
+
+def _source_tensor(name: str, where: dict[str, tuple[Path, str]], blocks: Fp8Blocks | None) -> torch.Tensor:
+    """The checkpoint's tensor ``name`` as stored; an FP8 weight dequantised to float32."""
+    from safetensors import safe_open
+
+    with safe_open(str(where[name][0]), framework="pt") as st:
+        t = st.get_tensor(name)
+    if t.dtype == torch.float8_e4m3fn:
+        scale = name + SCALE_SUFFIX
+        with safe_open(str(where[scale][0]), framework="pt") as ss:
+            t = dequantize_blocks(t, ss.get_tensor(scale), blocks, torch.float32)
+    return t
+
+
+#: the transforms fused into each attention module, by cache index: ``(content or None, RoPE or None)``
+Fusions = dict[int, tuple[ContentTransform | None, RopeTransform | None]]
+
+
+def fp8_fused_in_float32(model: nn.Module, fusions: Fusions, source: Path, blocks: Fp8Blocks,
+                         rename: Callable[[str], str] = str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The FP8-stored calibrated weights of the attention modules in ``fusions``, fused again in float32 from the
+    source's float32-dequantised weights: what an FP8 export re-quantises (the model's own fused weights are in its
+    dtype, e.g. bfloat16 on CUDA, rounded once more). Keys: the checkpoint's names (``rename`` of the model's)."""
+    adapter = get_adapter(model)
+    modules = dict(adapter.attention_modules(model))
+    names = {id(p): n for n, p in model.named_parameters()}
+    where = _headers(shards(source))
+    roles = (adapter.kv_a_proj, adapter.kv_norm, adapter.kv_b_proj, adapter.q_proj)
+    out = {}
+    for idx, (content, rope) in fusions.items():
+        attn = modules[idx]
+        ckpt = [rename(names[id(role(attn).weight)]) for role in roles]
+        if not any(where[n][1] == "F8_E4M3" for n in ckpt):
+            continue
+        # the module's structure copied, its tensors shared; the four calibrated modules get float32 tensors
+        shadow = copying.deepcopy(attn, {id(t): t for t in (*attn.parameters(), *attn.buffers())})
+        for role, n in zip(roles, ckpt, strict=True):
+            m = role(shadow)
+            m.weight = nn.Parameter(_source_tensor(n, where, blocks).float().to(m.weight.device), requires_grad=False)
+            if getattr(m, "bias", None) is not None:
+                m.bias = nn.Parameter(m.bias.detach().float().clone(), requires_grad=False)
+        if content is not None:
+            fuse_content(adapter, shadow, content)
+        if rope is not None:
+            fuse_rope(adapter, shadow, rope, model.config)
+        out |= {n: role(shadow).weight.detach() for role, n in zip(roles, ckpt, strict=True)
+                if where[n][1] == "F8_E4M3"}  # fmt: skip
     return out
 
 
@@ -99,16 +138,21 @@ def _link(src: Path, dst: Path, copy: bool) -> None:
 
 
 def export_changed(model: nn.Module, source: str | Path, out: str | Path, meta_writer, copy: bool = False,
-                   keep_bf16: bool = False) -> dict:  # fmt: skip
+                   keep_bf16: bool = False, fusions: Fusions | None = None) -> dict:  # fmt: skip
     """Write ``model`` (calibrated from the checkpoint in ``source``) to ``out`` as the source with only its changed
-    tensors replaced; ``meta_writer(out)`` writes ``quantmla.json`` (and a codec). Returns what was written:
+    tensors replaced; ``meta_writer(out)`` writes ``quantmla.json`` (and a codec). ``fusions``: the transforms fused
+    into ``model``; an FP8 source's weights are then re-quantised from their float32 fusion
+    (:func:`fp8_fused_in_float32`), not from the model's. Returns what was written:
     ``{"changed": [...], "rewritten": [...], "linked": [...]}``."""
     from quantmla.models.loading import inspect_model
 
     src = inspect_model(source)
     if keep_bf16 and src.fp8 is None:
         raise ValueError("--keep-bf16 applies to an FP8 checkpoint; this one is unquantised")
-    return write_changed(src.path, out, changed_tensors(model, src.path, src.fp8), meta_writer, copy, keep_bf16)
+    tensors = calibrated_tensor_names(model)
+    if src.fp8 is not None and fusions:
+        tensors |= fp8_fused_in_float32(model, fusions, src.path, src.fp8)
+    return write_changed(src.path, out, changed_among(tensors, src.path, src.fp8), meta_writer, copy, keep_bf16)
 
 
 class StoredTensors(Mapping):

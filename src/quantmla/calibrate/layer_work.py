@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from quantmla.calibrate.api import layer_stage_on, layer_stage_windows
-from quantmla.calibrate.checkpoint import calibrated_tensor_names, changed_among
+from quantmla.calibrate.checkpoint import Fusions, calibrated_tensor_names, changed_among, fp8_fused_in_float32
 from quantmla.calibrate.related import CODEC_METHODS, fit_codec, raq_alloc_fits
 from quantmla.models.adapter import get_adapter
-from quantmla.transforms.fuse import fuse_content, fuse_rope
+from quantmla.transforms.fuse import fuse_transforms
 
 logger = logging.getLogger(__name__)
 
@@ -105,28 +105,31 @@ def calibrate_layer(model, idx, cfg, train_w, val_w, data_sha, inputs) -> dict:
     return {"row": stage.rows[0], "chosen": stage.chosen[idx], "candidates": stage.candidates[idx]}
 
 
-def _fuse(model, idx, cfg, result) -> None:
-    adapter = get_adapter(model)
-    attn = dict(adapter.attention_modules(model))[idx]
+def _fusions(idx, cfg, result) -> Fusions:
+    """The transforms layer ``idx``'s result fuses into the weights (``{}``: none)."""
     if cfg.method in CODEC_METHODS:
-        if result["fused"] is not None:
-            fuse_content(adapter, attn, result["fused"])
-        return
+        return {} if result["fused"] is None else {idx: (result["fused"], None)}
     if cfg.method == "rtn":
-        return
-    ct, rt = result["chosen"]
-    if "content" in cfg.paths:
-        fuse_content(adapter, attn, ct)
-    if "rope" in cfg.paths:
-        fuse_rope(adapter, attn, rt, model.config)
+        return {}
+    content, rope = result["chosen"]
+    return {idx: (content if "content" in cfg.paths else None, rope if "rope" in cfg.paths else None)}
 
 
 def finish_layer(model, idx, cfg, result, source, work: WorkDir, start: float) -> None:
     """Fuse layer ``idx``'s transforms into ``model`` and save its changed tensors (against the checkpoint
-    ``source``) and ``result`` in ``work``; log the time since ``start``."""
-    _fuse(model, idx, cfg, result)
+    ``source``; an FP8 one's fused in float32: :func:`~quantmla.calibrate.checkpoint.fp8_fused_in_float32`) and
+    ``result`` in ``work``; log the time since ``start``."""
+    fusions = _fusions(idx, cfg, result)
+    fuse_transforms(model, {i: c for i, (c, _) in fusions.items() if c is not None},
+                    {i: r for i, (_, r) in fusions.items() if r is not None})  # fmt: skip
     prefix = "model.layers.0."
-    named = {f"model.layers.{idx}." + n[len(prefix) :]: t for n, t in calibrated_tensor_names(model).items()}
+
+    def rename(n: str) -> str:
+        return f"model.layers.{idx}." + n[len(prefix) :]
+
+    named = {rename(n): t for n, t in calibrated_tensor_names(model).items()}
+    if source.fp8 is not None and fusions:
+        named |= fp8_fused_in_float32(model, fusions, source.path, source.fp8, rename)
     changed = changed_among(named, source.path, source.fp8)
     work.save(idx, changed, result)
     device = next(model.parameters()).device
