@@ -12,9 +12,11 @@
 # training_log.json, loss_curve.png, niah/).
 #
 # Detached, so that later calls can carry other work while it trains:
-#   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to /tmp/qm and starts `run` there in
-#                                           # its own session, its results in /tmp/res
-#   scripts/train_tiny_mla_gpu.sh collect   # waits for it (at most WAIT s), packs /tmp/res into $OUT
+#   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to $QM (/tmp/qm) and starts `run`
+#                                           # there in its own session, its results in $RES (/tmp/res); then the
+#                                           # command $AFTER, if given (e.g. the MLAfication benchmark on the teacher)
+#   scripts/train_tiny_mla_gpu.sh collect   # waits for it (at most WAIT s), packs $RES into $OUT
+# Two runs at once take their own QM, RES, WORK and TOK (the decompressed token splits).
 set -u
 case "${1:-}" in
 pack)
@@ -25,7 +27,7 @@ pack)
   ;;
 run)
   export PYTHONPATH=src
-  T=/tmp/tok; W=${WORK:-/tmp/train}; mkdir -p "$T" "$W"
+  T=${TOK:-/tmp/tok}; W=${WORK:-/tmp/train}; mkdir -p "$T" "$W"
   cp .data/gpu/tokenizer* "$T/" || exit 1
   python -c "
 import lzma, shutil
@@ -35,24 +37,26 @@ for s in ('train', 'validation', 'test'):
   python scripts/train_tiny_mla.py --tokens "$T" --out "$W" --seq 4096 --batch 16 --retrieval-share 0.2 \
     --family "${FAMILY:-mla}" --niah-text .data/gpu/niah-text.txt \
     --budget-minutes "${BUDGET:-6.8}" --max-minutes "$(python -c "print(${BUDGET:-6.8} + 0.5)")" ${TRAIN_ARGS:-} 2>&1 | tee "$W/train.log"
-  [ "${FAMILY:-mla}" = mla ] && timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
-    --text .data/gpu/niah-text.txt --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"
+  if [ "${FAMILY:-mla}" = mla ]; then timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
+    --text .data/gpu/niah-text.txt --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"; fi
   mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json"
   cp "$W"/model/model*.safetensors "$OUT/"
   tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah
   ;;
 launch)
-  rm -rf /tmp/qm /tmp/res && mkdir -p /tmp/qm /tmp/res
-  cp -r src scripts pyproject.toml .data /tmp/qm/ || exit 1
-  cd /tmp/qm && OUT=/tmp/res setsid nohup bash -c 'bash scripts/train_tiny_mla_gpu.sh run; touch /tmp/res/DONE' \
-    > /tmp/res/pipeline.log 2>&1 < /dev/null &
-  sleep "${LAUNCH_WAIT:-45}"; cat /tmp/res/pipeline.log
+  Q=${QM:-/tmp/qm}; R=${RES:-/tmp/res}
+  rm -rf "$Q" "$R" && mkdir -p "$Q" "$R"
+  cp -r src scripts benchmarks pyproject.toml .data "$Q/" || exit 1
+  cd "$Q" && OUT=$R setsid nohup bash -c "bash scripts/train_tiny_mla_gpu.sh run; ${AFTER:-true}; touch $R/DONE" \
+    > "$R/pipeline.log" 2>&1 < /dev/null &
+  sleep "${LAUNCH_WAIT:-45}"; cat "$R/pipeline.log"
   ;;
 collect)
-  for _ in $(seq "${WAIT:-500}"); do [ -f /tmp/res/DONE ] && break; sleep 1; done
-  cat /tmp/res/pipeline.log
-  cp /tmp/res/model*.safetensors "$OUT/" 2>/dev/null
-  tar -C /tmp/res -czf "$OUT/res.tar.gz" --exclude='*.safetensors' .
+  R=${RES:-/tmp/res}
+  for _ in $(seq "${WAIT:-500}"); do [ -f "$R/DONE" ] && break; sleep 1; done
+  cat "$R/pipeline.log"
+  cp "$R"/model*.safetensors "$OUT/" 2>/dev/null
+  tar -C "$R" -czf "$OUT/res.tar.gz" --exclude='*.safetensors' .
   ls -la "$OUT"
   ;;
 *) echo "usage: $0 pack|run|launch|collect" >&2; exit 2 ;;

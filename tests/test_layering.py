@@ -20,7 +20,7 @@ LAYERS = [
     ("cache",),  # QuantizedLatentCache
     ("transforms",),  # fusing transforms into the weights
     ("measure",),  # capture, attention replay, decode-cache simulation, token windows
-    ("analysis", "eval", "calibrate"),
+    ("analysis", "eval", "calibrate", "convert"),
     ("serving",),  # paged decode, window shadows, the vLLM plugin
     ("cli",),
 ]

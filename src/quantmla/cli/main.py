@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from quantmla import __version__
-from quantmla.cli import eval_cmd
+from quantmla.cli import convert_cmd, eval_cmd
 from quantmla.cli.errors import check_cache, check_out, internal_errors, parse_layers, user_errors
 from quantmla.cli.eval_cmd import DEVICE_DEFAULT, DEVICE_MAP_HELP, DTYPE_HELP, MAX_MEMORY_HELP, where_of
 from quantmla.models import loading
@@ -20,6 +21,15 @@ app = typer.Typer(
     help="Small and fast low-bit KV caches for Multi-Head Latent Attention (MLA) models.",
 )
 app.add_typer(eval_cmd.app, name="eval")
+app.command(name="convert")(convert_cmd.convert)
+
+
+def configure_logging() -> None:
+    """The command line's logging: quantmla's INFO lines (which path ran, a calibration's plan and per-layer times,
+    a resumed run) on stderr, other libraries' warnings. Called by every command (the app's callback), so the
+    installed ``quantmla`` script and ``python -m quantmla`` log alike."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("quantmla").setLevel(logging.INFO)
 
 
 def _version(value: bool) -> None:
@@ -33,6 +43,7 @@ def main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """quantmla: quantise the MLA latent cache to 4 or 2 bits."""
+    configure_logging()
 
 
 @app.command()
