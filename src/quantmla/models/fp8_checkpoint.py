@@ -132,15 +132,14 @@ def quantize_blocks(w: torch.Tensor, blocks: Fp8Blocks) -> tuple[torch.Tensor, t
     return codes, scale_inv
 
 
-def read_state_dict(path: Path, blocks: Fp8Blocks, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, float8 weights dequantised to ``dtype`` and their scales dropped (the
-    checkpoint's own names, for the model class's loader)."""
+def dequantized_tensors(path: Path, blocks: Fp8Blocks, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor of the checkpoint, one at a time: float8 weights dequantised to ``dtype``,
+    their scales dropped, other floating tensors cast (the checkpoint's own names)."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
 
     where = {name: f for f, name, _, _ in tensor_headers(shards(path))}
-    out: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
         opened = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in set(where.values())}
 
@@ -155,5 +154,41 @@ def read_state_dict(path: Path, blocks: Fp8Blocks, dtype: torch.dtype) -> dict[s
                 t = dequantize_blocks(t, get(name + SCALE_SUFFIX), blocks, dtype)
             elif t.is_floating_point():
                 t = t.to(dtype)
-            out[name] = t
+            yield name, t
+
+
+def read_state_dict(path: Path, blocks: Fp8Blocks, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint as :func:`dequantized_tensors` gives it, in one state dict (host memory: the
+    whole model in ``dtype``)."""
+    return dict(dequantized_tensors(path, blocks, dtype))
+
+
+def write_dequantized(path: Path, blocks: Fp8Blocks, dtype: torch.dtype, out: Path,
+                      shard_bytes: int = 2 << 30) -> Path:  # fmt: skip
+    """The checkpoint dequantised to ``dtype`` as safetensors shards of at most ``shard_bytes`` in ``out`` (with an
+    index), one tensor at a time: host memory holds one shard, whatever the model's size; the disk the whole model in
+    ``dtype``. For loaders that place a checkpoint lazily (accelerate's device map)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    size, names = 0, []
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f"dequantized-{len(names) + 1:05d}.safetensors"
+            save_file({k: v.contiguous() for k, v in pending.items()}, str(out / name), metadata={"format": "pt"})
+            names.append(name)
+            weight_map.update(dict.fromkeys(pending, name))
+            pending, size = {}, 0
+
+    for name, t in dequantized_tensors(path, blocks, dtype):
+        if pending and size + t.numel() * t.element_size() > shard_bytes:
+            flush()
+        pending[name] = t
+        size += t.numel() * t.element_size()
+    flush()
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return out

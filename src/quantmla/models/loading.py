@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +25,7 @@ from quantmla.formats.codec import ModelCodec
 from quantmla.formats.export import META_FILE, read_codec, read_meta
 from quantmla.formats.scheme import parse_scheme
 from quantmla.models.adapter import MLADims, get_adapter
-from quantmla.models.fp8_checkpoint import Fp8Blocks, check_checkpoint, read_state_dict
+from quantmla.models.fp8_checkpoint import Fp8Blocks, check_checkpoint, read_state_dict, write_dequantized
 from quantmla.quant.affine import check_group
 
 logger = logging.getLogger(__name__)
@@ -343,7 +344,10 @@ def _from_pretrained(src: ModelSource, **kw):
 
 
 def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: Placement):
-    """``src`` placed by accelerate's device map (an FP8 checkpoint dequantised in host memory first)."""
+    """``src`` placed by accelerate's device map. An FP8 checkpoint is first dequantised one tensor at a time into
+    shards in the offload folder (``dequantized/``: the model's size in ``dtype`` on disk, one shard in host memory),
+    which the loader then places lazily like any checkpoint."""
+    import copy
     import tempfile
     from collections import Counter
 
@@ -351,7 +355,20 @@ def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: P
     offload = placement.offload_folder or tempfile.mkdtemp(prefix="quantmla-offload-")
     kw = dict(dtype=torch_dtype, attn_implementation=attn_implementation, device_map=placement.device_map,
               max_memory=placement.max_memory, offload_folder=offload)  # fmt: skip
-    model = _from_pretrained(src, **kw)
+    if src.fp8 is None:
+        model = _from_pretrained(src, **kw)
+    else:
+        plain = write_dequantized(src.path, src.fp8, torch_dtype, Path(offload) / "dequantized")
+        logger.info("%s: FP8 blocks of %s dequantised to %s shards in %s", src.path, list(src.fp8.block),
+                    dtype_name(torch_dtype), plain)  # fmt: skip
+        config = copy.deepcopy(src.config)
+        del config.quantization_config
+        config.save_pretrained(plain)
+        if (src.path / "generation_config.json").is_file():
+            shutil.copy2(src.path / "generation_config.json", plain / "generation_config.json")
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(plain, config=config, **kw)
     where = Counter(str(v) for v in getattr(model, "hf_device_map", {}).values())
     logger.info("loaded %s in %s with device_map=%s: modules on %s (offload folder %s)", src.path,
                 dtype_name(torch_dtype), placement.device_map, dict(where), offload)  # fmt: skip
