@@ -19,7 +19,7 @@ TARGETS = ("mla",)
 
 
 def convert(
-    model: str = typer.Argument(..., help="A local Llama, Qwen2, Qwen3 or Qwen3-MoE directory (or builtin:tiny-gqa)."),
+    model: str = typer.Argument(..., help="A local Llama, Qwen2, Qwen3 or Qwen3-MoE model directory."),
     out: Path = typer.Option(..., "--out", help="Directory for the converted model (new, or empty)."),
     to: str = typer.Option("mla", "--to", help="Target: mla (a DeepSeek-V3 model; DeepSeek-V2 for Qwen3-MoE)."),
     rope_pairs: int = typer.Option(..., "--rope-pairs", help="RoPE pairs kept (the rest become NoPE)."),
