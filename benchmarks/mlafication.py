@@ -199,6 +199,7 @@ def main() -> None:
             ("per-KV-head form of the same (no shared RoPE key, per-head q_norm)", {}, True),
             ("split latent", {"latent": "split"}, False),
             ("weight-only SVD", {"svd": "weight"}, False),
+            ("functional SVD (score and output error)", {"svd": "functional"}, False),
             ("gain-only KNorm", {"knorm": "gain-only"}, False),
             ("latent RMSNorm kept (gain: the latent's mean RMS)", {"latent_norm": "rms"}, False),
             ("contribution pairs (per-KV-head form)", {"rope": "contribution"}, True),

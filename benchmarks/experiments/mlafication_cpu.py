@@ -4,7 +4,7 @@ KL(teacher || model) per token and perplexity on 12 test windows of 1,024 tokens
 statistics from 16 validation windows of 2,048 tokens:
 
 - the converted layers in the source model (per-KV-head RoPE) with the latent norm left out or a kept RMSNorm, for
-  the activation-aware and the weight-only SVD (4 RoPE pairs, latent 40);
+  the activation-aware, functional and weight-only SVD (4 RoPE pairs, latent 40);
 - every pair kept at full rank (only k_norm replaced by its calibrated constant);
 - the DeepSeek export at one cache budget (48 elements a token) split three ways between RoPE pairs and latent.
 
@@ -52,7 +52,7 @@ def main() -> None:
 
     print("| model | ppl | KL |\n|---|---|---|")
     for r, rank in ((4, 40), (32, 128)):
-        for svd in ("activation", "weight"):
+        for svd in ("activation", "functional", "weight") if r == 4 else ("activation", "weight"):
             conv = convert(teacher, cfg(r, rank, svd=svd), calib, progress=False, export=False)
             for norm in (False, True):
                 if r == 32 and norm:
@@ -62,9 +62,10 @@ def main() -> None:
                 install_latent(model, conv.shape, conv.layers, gains)
                 what = "every pair, full rank" if r == 32 else f"{r} pairs, latent {rank}"
                 report(f"per-KV-head form, {what}, {svd} SVD, latent norm {'RMSNorm' if norm else 'none'}", model)
-    for r, rank in ((4, 40), (8, 32), (16, 16)):
-        conv = convert(teacher, cfg(r, rank), calib, progress=False)
-        report(f"DeepSeek export, {r} pairs + latent {rank} (48 elements)", to_deepseek(teacher, conv, torch.float32))
+    for r, rank, svd in ((4, 40, "activation"), (4, 40, "functional"), (8, 32, "activation"), (16, 16, "activation")):
+        conv = convert(teacher, cfg(r, rank, svd=svd), calib, progress=False)
+        model = to_deepseek(teacher, conv, torch.float32)
+        report(f"DeepSeek export, {r} pairs + latent {rank} (48 elements), {svd} SVD", model)
 
 
 if __name__ == "__main__":

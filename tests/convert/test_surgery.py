@@ -27,13 +27,14 @@ def full_rank(shape, r):
     return shape.num_kv_heads * (2 * shape.head_dim - 2 * r)
 
 
+@pytest.mark.parametrize("svd", ["activation", "functional", "weight"])
 @pytest.mark.parametrize("family,heads,kv", [("llama", 4, 4), ("llama", 4, 2), ("qwen2", 4, 2), ("qwen2", 2, 1)])
-def test_every_pair_kept_at_full_rank_is_the_source(family, heads, kv):
+def test_every_pair_kept_at_full_rank_is_the_source(family, heads, kv, svd):
     model = tiny(family, heads, kv)
     ids = token_batches()
     shape = source_shape(model.config)
     rank = min(full_rank(shape, 8), shape.hidden_size + int(family == "qwen2"))
-    _, _, layers = converted(model, ConvertConfig(rope_pairs=8, latent_rank=rank, damping=0.0), ids)
+    _, _, layers = converted(model, ConvertConfig(rope_pairs=8, latent_rank=rank, damping=0.0, svd=svd), ids)
     latent = copy.deepcopy(model)
     install_latent(latent, shape, layers)
     with torch.no_grad():
@@ -140,6 +141,24 @@ def test_factorise_is_exact_at_full_rank_and_activation_aware_is_optimal_under_t
     lam, u = torch.linalg.eigh(moment)
     s = torch.linalg.svdvals(w @ (u * lam.sqrt()) @ u.T)
     assert act / len(x) == pytest.approx(float((s[3:] ** 2).sum()), rel=1e-9)
+
+
+def test_a_left_metric_weights_the_output_error_optimally():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(10, 8, dtype=torch.float64, generator=g)
+    x = torch.randn(400, 8, dtype=torch.float64, generator=g) * torch.logspace(0, -1, 8, dtype=torch.float64)
+    a = torch.randn(10, 10, dtype=torch.float64, generator=g)
+    left = a @ a.T / 10
+    moment = x.T @ x / len(x)
+    up, down = factorise(w, 10, moment, 0.0, left)
+    assert (up @ down - w).abs().max() < 1e-9
+    err = lambda up, down: torch.einsum("tr,rs,ts->", x @ (w - up @ down).T, left, x @ (w - up @ down).T)  # noqa: E731
+    got = err(*factorise(w, 3, moment, 0.0, left))
+    lam, u = torch.linalg.eigh(moment)
+    ll, lu = torch.linalg.eigh(left)
+    s = torch.linalg.svdvals((lu * ll.sqrt()) @ lu.T @ w @ (u * lam.sqrt()) @ u.T)
+    assert got / len(x) == pytest.approx(float((s[3:] ** 2).sum()), rel=1e-9)
+    assert got < err(*factorise(w, 3, moment, 0.0))  # the right-only optimum is worse under the left metric
 
 
 @pytest.mark.parametrize("bad,match", [

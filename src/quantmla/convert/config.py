@@ -7,8 +7,10 @@ from dataclasses import dataclass
 #: how the kept RoPE pairs are chosen: every c-th pair (DeepSeek's schedule, exportable) or per KV head by
 #: E||q_pair|| * E||k_pair|| (MHA2MLA's 2-norm score; not expressible in DeepSeek's one shared RoPE key)
 ROPE_CHOICES = ("uniform", "contribution")
-#: the low-rank factorisation of [W_k,nope; W_v]: weighted by the inputs' second moment, or of the weights alone
-SVD_CHOICES = ("activation", "weight")
+#: the low-rank factorisation of [W_k,nope; W_v]: weighted by the inputs' second moment, by it and by what the error
+#: costs downstream (a key's error through the group's queries' second moment, as a score error; a value's through
+#: the group's W_o blocks, as an output error), or of the weights alone
+SVD_CHOICES = ("activation", "functional", "weight")
 #: one latent for keys and values of every KV head, or two halves (keys, values) factorised apart
 LATENT_CHOICES = ("joint", "split")
 #: Qwen3's per-head key RMSNorm: a fitted constant per layer and KV head folded into W_k, or left out (the gain

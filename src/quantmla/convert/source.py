@@ -110,6 +110,7 @@ class SourceAttention:
     wq: torch.Tensor  # (heads * d, hidden)
     wk: torch.Tensor  # (kv * d, hidden)
     wv: torch.Tensor  # (kv * d, hidden)
+    wo: torch.Tensor  # (hidden, heads * d)
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
@@ -143,6 +144,7 @@ def read_attention(attn: nn.Module, shape: SourceShape) -> SourceAttention:
         wq=_t(attn.q_proj.weight),
         wk=_t(attn.k_proj.weight),
         wv=_t(attn.v_proj.weight),
+        wo=_t(attn.o_proj.weight),
         bq=_bias(attn.q_proj.bias),
         bk=_bias(attn.k_proj.bias),
         bv=_bias(attn.v_proj.bias),

@@ -32,6 +32,7 @@ class LayerStats:
     qnorm_num: torch.Tensor  # (heads,): sum of w / (rms_h rms_all), w = ||g q_h||^2
     qnorm_den: torch.Tensor  # (heads,): sum of w / rms_all^2
     q_rms: torch.Tensor  # (): sum of rms_all(q) over all heads (before q_norm)
+    q_moment: torch.Tensor  # (heads, d, d): sum of q q^T per head (after q_norm)
 
     @property
     def second_moment(self) -> torch.Tensor:
@@ -47,6 +48,10 @@ class LayerStats:
 
     def mean_q_rms(self) -> torch.Tensor:
         return self.q_rms / max(self.tokens, 1)
+
+    def query_moment(self) -> torch.Tensor:
+        """``(heads, d, d)``: E[q q^T] per query head, after q_norm."""
+        return self.q_moment / max(self.tokens, 1)
 
     def mean_q_pair(self) -> torch.Tensor:
         return self.q_pair_norm / max(self.tokens, 1)
@@ -80,6 +85,7 @@ class _Accumulator:
             k_pair_norm=z(shape.num_kv_heads, pairs),
             knorm_num=z(shape.num_kv_heads), knorm_den=z(shape.num_kv_heads),
             qnorm_num=z(shape.num_heads), qnorm_den=z(shape.num_heads), q_rms=z(()),
+            q_moment=z(shape.num_heads, shape.head_dim, shape.head_dim),
         )  # fmt: skip
 
     def add(self, x: torch.Tensor) -> None:
@@ -105,6 +111,7 @@ class _Accumulator:
             s.knorm_num += (w / rms).sum(0)
             s.knorm_den += w.sum(0)
             k = src.k_gain * k / rms[..., None]
+        s.q_moment += torch.einsum("thd,the->hde", q, q)
         qp = _pair_norm(q)
         s.q_pair_norm += qp.sum(0)
         s.q_pair_sq += qp.pow(2).sum(0)

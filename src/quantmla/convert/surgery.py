@@ -80,20 +80,48 @@ def _augment(w: torch.Tensor, b: torch.Tensor | None, biased: bool) -> torch.Ten
     return torch.cat([w, (b if b is not None else torch.zeros(len(w), dtype=w.dtype))[:, None]], 1)
 
 
-def factorise(w: torch.Tensor, rank: int, moment: torch.Tensor | None, damping: float):
+def _roots(m: torch.Tensor, damping: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m^(1/2), m^(-1/2))`` of a PSD matrix damped by ``damping`` of its mean diagonal."""
+    m = m + damping * m.diagonal().mean() * torch.eye(len(m), dtype=m.dtype)
+    lam, u = torch.linalg.eigh(m)
+    lam = lam.clamp_min(torch.finfo(lam.dtype).tiny)
+    return (u * lam.sqrt()) @ u.T, (u / lam.sqrt()) @ u.T
+
+
+def factorise(w: torch.Tensor, rank: int, moment: torch.Tensor | None, damping: float,
+              left: torch.Tensor | None = None):  # fmt: skip
     """``(up, down)`` with ``up @ down`` the rank-``rank`` approximation of ``w`` (rows x n) that minimises
-    ``E||(w - up down) x||^2`` under the input second moment ``moment`` (damped by ``damping`` of its mean
-    diagonal), or ``||w - up down||_F`` without one. Both factors carry the square root of the singular values."""
+    ``E[e^T left e]`` for the output error ``e = (w - up down) x`` under the input second moment ``moment`` (both
+    damped by ``damping`` of their mean diagonal; ``left`` None: the identity), or ``||w - up down||_F`` without a
+    moment. Both factors carry the square root of the singular values."""
     if moment is None:
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
         root = s[:rank].sqrt()
         return u[:, :rank] * root, root[:, None] * vh[:rank]
-    m = moment + damping * moment.diagonal().mean() * torch.eye(len(moment), dtype=moment.dtype)
-    lam, us = torch.linalg.eigh(m)
-    lam = lam.clamp_min(torch.finfo(lam.dtype).tiny)
-    u, s, vh = torch.linalg.svd(w @ (us * lam.sqrt()), full_matrices=False)
+    right, right_inv = _roots(moment, damping)
+    left_root, left_inv = (None, None) if left is None else _roots(left, damping)
+    a = w @ right if left is None else left_root @ w @ right
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
     root = s[:rank].sqrt()
-    return u[:, :rank] * root, (root[:, None] * vh[:rank]) @ (us / lam.sqrt()).T
+    up = u[:, :rank] * root
+    return (up if left is None else left_inv @ up), (root[:, None] * vh[:rank]) @ right_inv
+
+
+def output_metric(shape: SourceShape, src: SourceAttention, stats: LayerStats, pairs: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(keys, values)`` block-diagonal metrics of the ``functional`` factorisation: a NoPE key row error ``e`` of
+    KV head ``g`` costs ``e^T (sum over g's query heads of E[q q^T]) e / d`` (its score error, NoPE dims); a value
+    error ``e`` costs ``|W_o,h e|^2`` summed over ``g``'s query heads (its output error)."""
+    d, g = shape.head_dim, shape.group
+    qm = stats.query_moment()
+    wo = src.wo.view(shape.hidden_size, shape.num_heads, d)
+    keys, values = [], []
+    for kv in range(shape.num_kv_heads):
+        _, nope = rope_dims(pairs[kv], d)
+        keys.append(qm[kv * g : (kv + 1) * g].sum(0)[nope][:, nope] / d)
+        block = wo[:, kv * g : (kv + 1) * g]
+        values.append(torch.einsum("ohd,ohe->de", block, block))
+    return torch.block_diag(*keys), torch.block_diag(*values)
 
 
 def convert_layer(cfg: ConvertConfig, shape: SourceShape, src: SourceAttention, stats: LayerStats) -> LatentLayer:
@@ -111,14 +139,16 @@ def convert_layer(cfg: ConvertConfig, shape: SourceShape, src: SourceAttention, 
         knope.append(wk_aug[g, nope])
     wk_nope = torch.cat(knope)  # (kv (d - 2r), n)
     wv_all = wv_aug.reshape(kv * d, -1)
-    moment = stats.second_moment if cfg.svd == "activation" else None
+    moment = stats.second_moment if cfg.svd in ("activation", "functional") else None
+    lk, lv = output_metric(shape, src, stats, pairs) if cfg.svd == "functional" else (None, None)
     if cfg.latent == "joint":
-        up, down = factorise(torch.cat([wk_nope, wv_all]), cfg.latent_rank, moment, cfg.damping)
+        left = None if lk is None else torch.block_diag(lk, lv)
+        up, down = factorise(torch.cat([wk_nope, wv_all]), cfg.latent_rank, moment, cfg.damping, left)
         up_k, up_v = up[: len(wk_nope)], up[len(wk_nope) :]
     else:
         half = cfg.latent_rank // 2
-        uk, dk = factorise(wk_nope, half, moment, cfg.damping)
-        uv, dv = factorise(wv_all, half, moment, cfg.damping)
+        uk, dk = factorise(wk_nope, half, moment, cfg.damping, lk)
+        uv, dv = factorise(wv_all, half, moment, cfg.damping, lv)
         down = torch.cat([dk, dv])
         up_k = torch.cat([uk, torch.zeros(len(uk), half, dtype=uk.dtype)], 1)
         up_v = torch.cat([torch.zeros(len(uv), half, dtype=uv.dtype), uv], 1)
