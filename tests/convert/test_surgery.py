@@ -102,9 +102,9 @@ def test_the_calibrated_knorm_constant_is_exact_when_every_key_has_one_rms():
     with torch.no_grad():
         q, _ = torch.linalg.qr(torch.randn(shape.hidden_size, shape.head_dim, dtype=torch.float64))
         dec.self_attn.k_proj.weight.copy_(q.T)  # on inputs x = q z the key is z
-    from quantmla.convert.stats import _Accumulator  # noqa: PLC2701 - the accumulator is the unit under test
+    from quantmla.convert.stats import LayerAccumulator
 
-    acc = _Accumulator(read_attention(dec.self_attn, shape), shape)
+    acc = LayerAccumulator(read_attention(dec.self_attn, shape), shape)
     z = torch.nn.functional.normalize(torch.randn(64, shape.head_dim, dtype=torch.float64), dim=-1) * 3.0
     acc.add(z @ q.T)  # every key has norm 3
     rms = math.sqrt(9.0 / shape.head_dim + read_attention(dec.self_attn, shape).eps)

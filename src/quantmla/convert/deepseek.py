@@ -292,16 +292,7 @@ def fold_linear_norms(model: nn.Module, layers: list[LatentLayer], stats: list[L
         p.weight[:rows] *= scale
         if p.bias is not None:
             p.bias[:rows] *= scale
-        rms_norm = RMS_NORMS[type(model).__name__](rows, eps=eps).to(module.weight.device, module.weight.dtype)
+        rms_class = type(model.model.layers[i].input_layernorm)  # the model's own RMSNorm
+        rms_norm = rms_class(rows, eps=eps).to(module.weight.device, module.weight.dtype)
         rms_norm.weight.copy_(module.weight * eps**0.5 / scale)
         setattr(attn, norm, rms_norm)
-
-
-def _rms_norm_classes() -> dict:
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RMSNorm
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-
-    return {"DeepseekV3ForCausalLM": DeepseekV3RMSNorm, "DeepseekV2ForCausalLM": DeepseekV2RMSNorm}
-
-
-RMS_NORMS = _rms_norm_classes()

@@ -50,9 +50,13 @@ class LatentAttention(nn.Module):
         self.register_buffer("up_k", buf(layer.up_k), persistent=False)
         self.register_buffer("up_v", buf(layer.up_v), persistent=False)
 
-    def latent(self, x: torch.Tensor) -> torch.Tensor:
-        """The cached latent of ``x`` (``(..., latent)``), after the latent norm where one is set."""
-        xa = torch.cat([x, torch.ones_like(x[..., :1])], -1) if self.biased else x
+    def augmented(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with the constant 1 appended where the keys or values have biases (the rows' last column)."""
+        return torch.cat([x, torch.ones_like(x[..., :1])], -1) if self.biased else x
+
+    def latent(self, xa: torch.Tensor) -> torch.Tensor:
+        """The cached latent of the augmented input ``xa`` (``(..., latent)``), after the latent norm where one is
+        set."""
         c = xa @ self.down.T
         return c if self.latent_gain is None else self.latent_gain * rms_norm(c, self.eps)
 
@@ -72,9 +76,9 @@ class LatentAttention(nn.Module):
         cos_q, sin_q = cos_k.repeat_interleave(g, 2), sin_k.repeat_interleave(g, 2)
         q_rope = rotate(torch.gather(q, 3, self.q_rope_idx.expand(b, t, -1, -1)), cos_q, sin_q)
         q_nope = torch.gather(q, 3, self.q_nope_idx.expand(b, t, -1, -1))
-        xa = torch.cat([x, torch.ones_like(x[..., :1])], -1) if self.biased else x
+        xa = self.augmented(x)
         k_rope = rotate(torch.einsum("btn,grn->btgr", xa, self.wkr), cos_k, sin_k)
-        c = self.latent(x)
+        c = self.latent(xa)
         k_nope = torch.einsum("btc,grc->btgr", c, self.up_k)
         v = torch.einsum("btc,grc->btgr", c, self.up_v)
         qh = torch.cat([q_rope, q_nope], -1).transpose(1, 2)

@@ -73,7 +73,9 @@ def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x[..., :half].pow(2) + x[..., half:].pow(2))
 
 
-class _Accumulator:
+class LayerAccumulator:
+    """One layer's :class:`LayerStats`, summed over the attention inputs given to :meth:`add`."""
+
     def __init__(self, src: SourceAttention, shape: SourceShape):
         self.src, self.shape = src, shape
         n = shape.hidden_size + int(src.has_kv_bias)
@@ -124,7 +126,7 @@ def gather_stats(
 ) -> list[LayerStats]:
     """Every layer's :class:`LayerStats` over ``batches`` of token ids (each ``(B, T)``), one forward a batch."""
     layers = decoder_layers(model)
-    accs = [_Accumulator(read_attention(layer.self_attn, shape), shape) for layer in layers]
+    accs = [LayerAccumulator(read_attention(layer.self_attn, shape), shape) for layer in layers]
     handles = []
     for layer, acc in zip(layers, accs, strict=True):
 

@@ -331,23 +331,28 @@ def _from_pretrained(src: ModelSource, **kw):
     checkpoint is dequantised to ``dtype`` by quantmla first and handed over as a state dict."""
     if src.fp8 is None:
         return AutoModelForCausalLM.from_pretrained(src.path, config=src.config, **kw)
+    logger.info("%s: FP8 blocks of %s dequantised to %s by quantmla", src.path, list(src.fp8.block),
+                dtype_name(kw["dtype"]))  # fmt: skip
+    cls, config = _dequantised_class(src)
+    state = read_state_dict(src.path, src.fp8, kw["dtype"])
+    return cls.from_pretrained(None, config=config, state_dict=state, **kw)
+
+
+def _dequantised_class(src: ModelSource):
+    """``(model class, config without its quantization_config)`` of an FP8 checkpoint that quantmla dequantises."""
     import copy
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    logger.info("%s: FP8 blocks of %s dequantised to %s by quantmla", src.path, list(src.fp8.block),
-                dtype_name(kw["dtype"]))  # fmt: skip
     config = copy.deepcopy(src.config)
     del config.quantization_config
-    state = read_state_dict(src.path, src.fp8, kw["dtype"])
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(None, config=config, state_dict=state, **kw)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], config
 
 
 def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: Placement):
     """``src`` placed by accelerate's device map. An FP8 checkpoint is first dequantised one tensor at a time into
     shards in the offload folder (``dequantized/``: the model's size in ``dtype`` on disk, one shard in host memory),
     which the loader then places lazily like any checkpoint."""
-    import copy
     import tempfile
     from collections import Counter
 
@@ -361,14 +366,11 @@ def _load_mapped(src: ModelSource, dtype, attn_implementation: str, placement: P
         plain = write_dequantized(src.path, src.fp8, torch_dtype, Path(offload) / "dequantized")
         logger.info("%s: FP8 blocks of %s dequantised to %s shards in %s", src.path, list(src.fp8.block),
                     dtype_name(torch_dtype), plain)  # fmt: skip
-        config = copy.deepcopy(src.config)
-        del config.quantization_config
+        cls, config = _dequantised_class(src)
         config.save_pretrained(plain)
         if (src.path / "generation_config.json").is_file():
             shutil.copy2(src.path / "generation_config.json", plain / "generation_config.json")
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(plain, config=config, **kw)
+        model = cls.from_pretrained(plain, config=config, **kw)
     where = Counter(str(v) for v in getattr(model, "hf_device_map", {}).values())
     logger.info("loaded %s in %s with device_map=%s: modules on %s (offload folder %s)", src.path,
                 dtype_name(torch_dtype), placement.device_map, dict(where), offload)  # fmt: skip
