@@ -1,7 +1,7 @@
-"""MLA decode attention on the GPU: our BF16 and low-bit Triton kernels against the copy roofline,
-a torch reference and FlashMLA's published H200 figures (issue table).
+"""MLA decode attention on the GPU: our BF16 and low-bit Triton kernels against the copy roofline, a torch
+reference, and FlashMLA (BF16) and vLLM's FP8 kernel timed in the same process (benchmarks/flashmla_baseline.py).
 
-    PYTHONPATH=src python benchmarks/decode_attention.py --out BENCHMARKS.md
+    PYTHONPATH=src python benchmarks/decode_attention.py --flashmla-lib DIR --out table.md
     PYTHONPATH=src python benchmarks/decode_attention.py --sweep      # tune launch parameters
 
 One table: per (heads, batch, context, scheme) the median time (do_bench, L2 flushed) of one decode call
@@ -23,15 +23,6 @@ import torch
 
 from quantmla.kernels.layout import PagedLatentStore, PagedLayout
 
-# FlashMLA SM90 BF16 dense decode on this H200, microseconds (from the issue; do_bench median, L2 flushed)
-FLASHMLA_US = {
-    (16, 8): {4096: 27.7, 16384: 57.0, 65536: 172.2, 131072: 320.6},
-    (16, 32): {4096: 55.7, 16384: 170.4, 65536: 603.8, 131072: 1186.0},
-    (16, 128): {4096: 167.6, 16384: 609.1, 65536: 2329.0, 131072: 4554.0},
-    (128, 8): {4096: 37.1, 16384: 74.8, 65536: 249.8, 131072: 491.0},
-    (128, 32): {4096: 75.8, 16384: 252.9, 65536: 972.5, 131072: 1936.0},
-    (128, 128): {4096: 255.6, 16384: 1006.0, 65536: 4048.0, 131072: 8628.0},
-}
 SCHEMES = {"bf16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)}
 DC, DR, PAGE = 512, 64, 64
 
@@ -111,18 +102,42 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool):
-    """(graph us, eager us, torch reference eager us or None, bytes read)."""
+def flashmla_row(h, B, L, gen, fp8: bool, s_q: int = 1) -> tuple[float, float | None]:
+    """FlashMLA's time for one shape (CUDA graph replay, like ours) and the median SM clock meanwhile."""
+    from flashmla_baseline import FlashMLA, SmClock
+
+    fm = FlashMLA(B, s_q, h, L, gen, fp8=fp8)
+    fm.call()
+    g = graph_of(fm.call)
+    clk = SmClock()
+    clk.start()
+    us = bench(g.replay)
+    mhz = clk.stop()
+    del g, fm
+    torch.cuda.empty_cache()
+    return us, mhz
+
+
+def run_row(h, B, L, scheme, gen, kernel_kw, with_torch: bool, s_q: int = 1):
+    """(graph us, eager us, torch reference eager us or None, bytes read); ``s_q`` causal query tokens a
+    sequence (``[B, s_q, h, d]`` queries; no torch reference then)."""
     from quantmla.kernels.decode import mla_decode
 
     store, bt, n_paged = random_store(scheme, B, L, gen)
-    q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
-    qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
+    shape = (B, h) if s_q == 1 else (B, s_q, h)
+    q = torch.randn(*shape, DC, device="cuda", generator=gen).bfloat16()
+    qr = torch.randn(*shape, DR, device="cuda", generator=gen).bfloat16()
+    with_torch = with_torch and s_q == 1
     scale = 1 / math.sqrt(192)
     call = lambda: mla_decode(q, qr, store, bt, n_paged, scale, **kernel_kw)  # noqa: E731
     eager_us = bench(call)
     g = graph_of(call)
+    from flashmla_baseline import SmClock
+
+    clk = SmClock()
+    clk.start()
     us = bench(g.replay)
+    run_row.mhz = clk.stop()
     del g
     t_us = None
     if with_torch:
@@ -148,16 +163,29 @@ def splits_for(per_sm: float, B: int, h: int, max_pages: int) -> int:
     return max(1, min(max_pages, MAX_SPLITS, math.ceil(per_sm * sms / (B * math.ceil(h / 64)))))
 
 
-def sweep(gen, out_json: str | None, heads=(16, 128), schemes=tuple(SCHEMES), stages=(2,), muls=(2, 4)) -> dict:
-    """Time launch variants at B=32, 64K for each (heads, scheme); returns the best per (heads, scheme)."""
+def sweep(
+    gen,
+    out_json: str | None,
+    heads=(16, 128),
+    schemes=tuple(SCHEMES),
+    stages=(2,),
+    muls=(2, 4),
+    block_hs=(None,),
+    block_ts=(64,),
+    warps_big=(8,),
+) -> dict:
+    """Time launch variants at B=32, 64K for each (heads, scheme); returns the best per (heads, scheme).
+    ``block_hs``: heads a program (``None``: the library's choice); ``warps_big``: warps tried above 64 heads."""
     from quantmla.kernels.decode import mla_decode
 
     B, L = 32, 65536
     best = {}
     for h in heads:
         for scheme in schemes:
-            warps = (4, 8) if h <= 64 else (8,)
-            grid = [dict(block_t=64, num_warps=w, num_stages=st) for w in warps for st in stages]
+            warps = (4, 8) if h <= 64 else warps_big
+            grid = [dict(block_t=bt, num_warps=w, num_stages=st, **({} if bh is None else {"block_h": bh}))
+                    for w in warps for st in stages for bh in block_hs for bt in block_ts
+                    if bh is None or bh <= max(16, h)]  # fmt: skip
             store, bt_, n_paged = random_store(scheme, B, L, gen)
             q = torch.randn(B, h, DC, device="cuda", generator=gen).bfloat16()
             qr = torch.randn(B, h, DR, device="cuda", generator=gen).bfloat16()
@@ -203,9 +231,15 @@ def main() -> None:
     ap.add_argument("--sweep-schemes", default=",".join(SCHEMES))
     ap.add_argument("--sweep-stages", default="2")
     ap.add_argument("--sweep-splits", default="2,4", help="programs per SM (splits x B x head groups / SMs) to time")
+    ap.add_argument("--sweep-block-h", default="", help="heads a program to try, e.g. 32,64,128 (default: ours)")
+    ap.add_argument("--sweep-block-t", default="64", help="tokens a tile to try")
+    ap.add_argument("--sweep-warps", default="8", help="warps to try above 64 heads")
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
+    ap.add_argument("--queries", default="1", help="query tokens a sequence (speculative decoding: 1 + drafts)")
+    ap.add_argument("--flashmla-lib", default=None, help="folder with FlashMLA's .so files from vLLM's wheel")
+    ap.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA (not timed in this run)")
     ap.add_argument("--torch-max-tokens", type=int, default=32 * 65536, help="skip the torch reference above B*L")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -214,49 +248,69 @@ def main() -> None:
         tuned = sweep(
             gen, args.sweep_json, tuple(map(int, args.sweep_heads.split(","))), tuple(args.sweep_schemes.split(",")),
             tuple(map(int, args.sweep_stages.split(","))), tuple(map(float, args.sweep_splits.split(","))),
+            tuple(map(int, args.sweep_block_h.split(","))) if args.sweep_block_h else (None,),
+            tuple(map(int, args.sweep_block_t.split(","))), tuple(map(int, args.sweep_warps.split(","))),
         )  # fmt: skip
+    fm_src = None
+    if not args.no_flashmla:
+        from flashmla_baseline import load_flashmla
+
+        fm_src = load_flashmla(args.flashmla_lib)
+        print(f"FlashMLA: {fm_src}", flush=True)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {bw:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
     rows = []
     t0 = time.time()
-    for h in map(int, args.heads.split(",")):
-        for B in map(int, args.batches.split(",")):
-            for L in map(int, args.contexts.split(",")):
-                base = None
-                for scheme in SCHEMES:
-                    kw = dict(tuned.get(f"{h}/{scheme}", {}))
-                    if "split_mul" in kw:
-                        kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h, math.ceil(L / PAGE))
-                    us, eager_us, t_us, nbytes = run_row(h, B, L, scheme, gen, kw, B * L <= args.torch_max_tokens)
-                    base = us if scheme == "bf16" else base
-                    fm = FLASHMLA_US.get((h, B), {}).get(L)
-                    row = dict(
-                        h=h,
-                        B=B,
-                        L=L,
-                        scheme=scheme,
-                        us=us,
-                        eager_us=eager_us,
-                        gbs=nbytes / us / 1e3,
-                        pct_copy=100 * nbytes / us / 1e3 / bw,
-                        tflops=2 * B * h * L * (DC + DC + DR) / us / 1e6,
-                        vs_bf16=base / us,
-                        vs_torch=(t_us / eager_us) if t_us else None,
-                        torch_us=t_us,
-                        flashmla_us=fm,
-                        vs_flashmla=(fm / us) if fm else None,
-                    )
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    shapes = [(h, B, L, sq) for h in map(int, args.heads.split(",")) for B in map(int, args.batches.split(","))
+              for L in map(int, args.contexts.split(",")) for sq in map(int, args.queries.split(","))]  # fmt: skip
+    for h, B, L, sq in shapes:
+        fm = fm_mhz = fp8 = None
+        if fm_src:
+            fm, fm_mhz = flashmla_row(h, B, L, gen, fp8=False, s_q=sq)
+            try:
+                fp8, _ = flashmla_row(h, B, L, gen, fp8=True, s_q=sq)
+            except RuntimeError as e:  # said, not hidden: the FP8 column stays empty
+                print(f"vLLM FP8 kernel at h={h} B={B} L={L}: {str(e).splitlines()[0][:200]}", flush=True)
+        base = None
+        for scheme in SCHEMES:
+            kw = dict(tuned.get(f"{h}/{scheme}", {}))
+            if "split_mul" in kw:
+                kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h, math.ceil(L / PAGE))
+            us, eager_us, t_us, nbytes = run_row(h, B, L, scheme, gen, kw, B * L <= args.torch_max_tokens, sq)
+            base = us if scheme == "bf16" else base
+            row = dict(
+                h=h,
+                B=B,
+                L=L,
+                s_q=sq,
+                scheme=scheme,
+                us=us,
+                eager_us=eager_us,
+                gbs=nbytes / us / 1e3,
+                pct_copy=100 * nbytes / us / 1e3 / bw,
+                tflops=2 * B * sq * h * L * (DC + DC + DR) / us / 1e6,
+                vs_bf16=base / us,
+                vs_torch=(t_us / eager_us) if t_us else None,
+                torch_us=t_us,
+                flashmla_us=fm,
+                vs_flashmla=(fm / us) if fm else None,
+                vllm_fp8_us=fp8,
+                sm_mhz=run_row.mhz,
+                flashmla_sm_mhz=fm_mhz,
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s", file=sys.stderr)
     lines = [
         f"GPU: {torch.cuda.get_device_name()}; measured copy bandwidth {bw:.0f} GB/s (4 GiB device-to-device, "
         "read + write); torch " + torch.__version__ + "; times are do_bench medians with L2 flushed; µs: the "
-        "call replayed from a CUDA graph, eager µs: called from Python.",
+        "call replayed from a CUDA graph, eager µs: called from Python; FlashMLA BF16 and vLLM's FP8 kernel "
+        f"({fm_src or 'not run'}) replayed from a CUDA graph in the same process; MHz: median SM clock while timed "
+        "(ours / FlashMLA's).",
         "",
-        "| h | B | L | scheme | µs | eager µs | GB/s | % copy BW | TFLOP/s | vs our BF16 | vs torch ref |"
-        " FlashMLA BF16 µs | vs FlashMLA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| h | B | L | q | scheme | µs | eager µs | GB/s | % copy BW | TFLOP/s | vs our BF16 | vs torch ref |"
+        " FlashMLA BF16 µs | vs FlashMLA | vLLM FP8 µs | MHz |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
 
@@ -264,10 +318,12 @@ def main() -> None:
             return "-" if x is None else format(x, fmt)
 
         lines.append(
-            f"| {r['h']} | {r['B']} | {r['L'] // 1024}K | {r['scheme']} | {r['us']:.1f} | {r['eager_us']:.1f} | "
+            f"| {r['h']} | {r['B']} | {r['L'] // 1024}K | {r['s_q']} | {r['scheme']} | {r['us']:.1f} | "
+            f"{r['eager_us']:.1f} | "
             f"{r['gbs']:.0f} | "
             f"{r['pct_copy']:.0f}% | {r['tflops']:.1f} | {r['vs_bf16']:.2f}x | {f(r['vs_torch'], '.1f')}x | "
-            f"{f(r['flashmla_us'], '.1f')} | {f(r['vs_flashmla'], '.2f')}x |"
+            f"{f(r['flashmla_us'], '.1f')} | {f(r['vs_flashmla'], '.2f')}x | {f(r['vllm_fp8_us'], '.1f')} | "
+            f"{f(r['sm_mhz'], '.0f')} / {f(r['flashmla_sm_mhz'], '.0f')} |"
         )
     table = "\n".join(lines)
     print(table)

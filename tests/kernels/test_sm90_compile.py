@@ -30,11 +30,12 @@ def _compile_all() -> None:
         sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
         return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options=options)
 
-    k = build(lowbit_kernel, dict(DC=512, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=16, CBITS=4, ASM_OK=True,
-                                   DT=tl.float16, WS=4, WR=128, SUB=4, WBLOCK_T=WINDOW_BLOCK_T, PLAN=True, SMS=132,
-                                   MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK),
-              num_warps=4, num_stages=2)  # fmt: skip
-    assert "cp.async" in k.asm["ptx"] and len(k.asm["cubin"]) > 0  # pipelined, assembled
+    for qt, bh in ((1, 16), (4, 64)):  # one query token a sequence; four (speculative decoding), 16 heads
+        k = build(lowbit_kernel, dict(DC=512, DR=64, G=64, PAGE=64, BLOCK_T=64, BLOCK_H=bh, CBITS=4, ASM_OK=True,
+                                       DT=tl.float16, WS=4, WR=128, SUB=4, WBLOCK_T=WINDOW_BLOCK_T, PLAN=True, SMS=132,
+                                       MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK, QT=qt),
+                  num_warps=4 if bh <= 16 else 8, num_stages=2 if bh <= 16 else 1)  # fmt: skip
+        assert len(k.asm["cubin"]) > 0 and ("cp.async" in k.asm["ptx"] or bh > 16)  # assembled; pipelined at 16
     for quant, rec in ((True, 324), (False, 1152)):  # c4r4 records, and BF16 ones (a branch of its own)
         consts = dict(DC=512, DR=64, G=64, CB=4, BS=64, REC=rec, CC=0, CSM=256, RC=288, RSM=320, QUANT=quant,
                       SHADOW=True, SUB=4)  # fmt: skip

@@ -19,8 +19,9 @@ DC, DR, BS, H = 128, 64, 32, 16
 LENS = (150, 40, 7)
 
 
-def _engine(scheme: str, cfg: WindowPolicy, seed: int = 0):
-    """Three requests written in two steps (prompt, then one token each) by the fused write with shadows."""
+def _engine(scheme: str, cfg: WindowPolicy, seed: int = 0, last: int = 1):
+    """Three requests written in two steps (prompt, then ``last`` tokens each, planned as decode tokens) by the
+    fused write with shadows."""
     g = torch.Generator().manual_seed(seed)
     lay = RecordLayout(scheme, DC, DR, 64)
     nb = 24
@@ -31,10 +32,12 @@ def _engine(scheme: str, cfg: WindowPolicy, seed: int = 0):
     maxp = -(-max(LENS) // BS)
     table = torch.randperm(nb - 1, generator=g)[: len(LENS) * maxp].add(1).view(len(LENS), maxp).int().to(DEV)
     tokens = [(torch.randn(n, DC + DR, generator=g) * 2).bfloat16().to(DEV) for n in LENS]
-    for grow in ([n - 1 for n in LENS], [1] * len(LENS)):
-        done = [len(t) - k for t, k in zip(tokens, grow, strict=True)] if grow[0] == 1 else [0] * len(LENS)
+    for step, grow in enumerate(([n - last for n in LENS], [last] * len(LENS))):
+        done = [len(t) - k for t, k in zip(tokens, grow, strict=True)] if step else [0] * len(LENS)
         seq = np.array([d + k for d, k in zip(done, grow, strict=True)])
-        pool.plan(table.cpu().numpy(), seq, np.array(grow), BS)
+        short = np.ones(len(LENS), dtype=bool) if step else None
+        granted = pool.plan(table.cpu().numpy(), seq, np.array(grow), BS, short=short)
+        assert granted.all() or not step  # the step's tokens attend as decode tokens (the prompts as prefills)
         pos = torch.cat([torch.arange(d, d + k) for d, k in zip(done, grow, strict=True)]).to(DEV)
         req = torch.cat([torch.full((k,), i) for i, k in enumerate(grow)]).to(DEV)
         slots = table[req, pos // BS].long() * BS + pos % BS
@@ -83,6 +86,45 @@ def test_decode_reads_the_window_rows_in_place(scheme, sink, recent, wsplits):
             allq = torch.softmax((q[b].double() @ torch.cat([sc, sr], -1).double().T) * 0.1, -1) @ sc.double()
             assert (allq - want).abs().max() > 3 * (got[b].double() - want).abs().max()
     assert pool.misses == 0
+
+
+def policy_reference(lay, tokens, q, n, sink, recent, scale):
+    """float64 decode of one query over the first ``n`` tokens under the window policy of length ``n``: the sinks
+    and the last ``recent`` as computed, the others as stored."""
+    x = tokens[:n].double()
+    sc, sr = lay.unpack(lay.pack(x[:, :DC].float(), x[:, DC:].float()))
+    j = torch.arange(n, device=DEV)
+    keep = ((j < sink) | (j >= n - recent))[:, None]
+    kv = torch.where(keep, x, torch.cat([sc, sr], -1).double())
+    return torch.softmax((q.double() @ kv.T) * scale, -1) @ kv[:, :DC]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "sink", "recent", "S"), [("c4r4", 4, 48, 3), ("c2r4", 0, 33, 4), ("c4r4", 4, 48, 2)]
+)
+def test_query_tokens_read_their_own_windows(scheme, sink, recent, S):
+    """A step of ``S`` tokens a request (speculative decoding): query token ``t`` reads the exact policy of its own
+    length ``n - S + 1 + t`` (its own last ``recent`` tokens unquantised, up to ``S - 1`` positions before the
+    step's window), in one launch; lengths 150 (pages and windows), 40 (all window for some tokens) and 7."""
+    cfg = WindowPolicy(sink, recent)
+    lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg, last=S)
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(len(LENS), S, H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
+    seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)
+    store = PagedLatentStore.from_pages(pages, lay)
+    got, _ = mla_decode(q[..., :DC], q[..., DC:], store, table, seq, 0.1, num_splits=2,
+                        shadow=ShadowWindow(shadow.rows, pool.map, sink, recent))  # fmt: skip
+    assert got.shape == (len(LENS), S, H, DC)
+    told = False
+    for b, n in enumerate(LENS):
+        for t in range(S):
+            m = n - (S - 1 - t)
+            want = policy_reference(lay, tokens[b], q[b, t], m, sink, recent, 0.1)
+            torch.testing.assert_close(got[b, t].double(), want, atol=2e-2, rtol=2e-2)
+            if m > sink + recent and t < S - 1:  # the step's shared window would quantise other tokens
+                shared = policy_reference(lay, tokens[b], q[b, t], m, sink, recent + S - 1 - t, 0.1)
+                told |= bool((shared - want).abs().max() > 3 * (got[b, t].double() - want).abs().max())
+    assert told and pool.misses == 0
 
 
 def test_shadow_windows_exclude_an_explicit_window():

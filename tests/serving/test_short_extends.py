@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from quantmla.serving.vllm.short_extends import decode_tokens
+from quantmla.serving.vllm.short_extends import decode_tokens, uniform_query_len
 
 
 def test_each_token_a_row_of_its_request_at_its_causal_length():
@@ -27,3 +27,11 @@ def test_padding_requests_add_no_row():
     assert decode_tokens(np.array([0, 1, 1, 1]), 3, "cpu") is None  # a padded CUDA graph batch
     rows = decode_tokens(np.array([0, 2, 2, 3]), 3, "cpu")
     assert rows.request.tolist() == [0, 0, 2] and rows.back.tolist() == [1, 0, 0]
+
+
+def test_a_uniform_step_is_one_launch_of_its_query_tokens():
+    assert uniform_query_len(np.array([0, 4, 8, 12, 40]), 3) == 4  # three decodes of 1 + 3 drafts, then a prefill
+    assert uniform_query_len(np.array([0, 1, 2, 3]), 3) == 1  # plain decode
+    assert uniform_query_len(np.array([0, 4, 6, 10]), 3) == 0  # mixed: a row a token
+    assert uniform_query_len(np.array([0, 2, 2]), 2) == 0  # a padded request (none in an eager step)
+    assert uniform_query_len(np.array([0, 90]), 0) == 0

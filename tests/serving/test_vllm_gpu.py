@@ -40,15 +40,17 @@ def model_dir(tmp_path_factory) -> str:
     return str(d)
 
 
-def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False):
+def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False, speculative=None, **kw):
+    """Greedy outputs of one engine; ``speculative``: vLLM's ``speculative_config``; ``kw``: more engine arguments."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = {} if scheme is None else {"quantmla": {"scheme": scheme}}
+    spec = {} if speculative is None else {"speculative_config": speculative}
     llm = LLM(model=model, dtype="bfloat16", max_model_len=1024, enforce_eager=eager, kv_cache_memory_bytes=BUDGET,
               block_size=BLOCK, additional_config=extra, max_num_seqs=SEQS, seed=0,
               max_num_batched_tokens=batched_tokens,
-              gpu_memory_utilization=0.3, skip_tokenizer_init=True)  # fmt: skip
+              gpu_memory_utilization=0.3, skip_tokenizer_init=True, **spec, **kw)  # fmt: skip
     sp = SamplingParams(max_tokens=GEN, temperature=0, logprobs=0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     res = {
@@ -58,6 +60,12 @@ def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=F
         ],  # fmt: skip
         "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+        "accepted": sum(
+            getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"
+        ),  # fmt: skip
+        "drafts": sum(
+            getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_draft_tokens"
+        ),  # fmt: skip
     }
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -162,3 +170,63 @@ def test_chunked_prefill_reads_the_context_from_the_pages(runs, model_dir):
     print(f"c4r4 chunked: mean |logprob vLLM - quantmla, same chunks| {engines:.4g}; vLLM - unquantised {damage:.4g};"
           f" vLLM - quantmla in one chunk {mean_abs_diff(got['logprobs'], one):.4g}")  # fmt: skip
     assert engines < damage, (engines, damage)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+#: DeepSeek-V3's attention (q LoRA, 512 + 64, heads of 128 + 64 / 128) and one multi-token-prediction layer, small
+V3_MTP = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=4096, hidden_size=512,
+              intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2, num_nextn_predict_layers=1,
+              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=512,
+              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, n_routed_experts=8,
+              n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
+              scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0, moe_layer_freq=1,
+              hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000,
+              tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def spec_runs(model_dir, tmp_path_factory):
+    """Speculative decoding in full CUDA graphs: n-gram drafts (3 a step) on the random V2, and DeepSeek-V3's own
+    multi-token prediction (1 draft a step) on a small V3 config with dummy weights, each beside its run without
+    drafts."""
+    import json
+
+    v3 = tmp_path_factory.mktemp("v3-mtp")
+    (v3 / "config.json").write_text(json.dumps(V3_MTP))
+    dummy = dict(load_format="dummy")
+    return {
+        "c4r4": run_engine(model_dir, "c4r4"),
+        "c4r4-ngram": run_engine(model_dir, "c4r4", speculative=NGRAM),
+        "v3-c4r4": run_engine(str(v3), "c4r4", **dummy),
+        "v3-c4r4-mtp": run_engine(
+            str(v3), "c4r4", speculative={"method": "deepseek_mtp", "num_speculative_tokens": 1}, **dummy
+        ),  # fmt: skip
+    }
+
+
+def test_speculative_decoding_verifies_in_full_graphs_as_one_token_steps(spec_runs, model_dir):
+    """Each verified token reads its own length's window policy in one launch of ``1 + k`` causal query tokens a
+    request (vLLM's uniform batches in full CUDA graphs): n-gram drafts are accepted, the greedy tokens follow the
+    run without drafts (BF16 kernels of another batch shape: mean |logprob difference| bound 0.05, as graphs vs
+    eager), and teacher-forced through quantmla's one-token-a-step cache they score as the plain run does."""
+    spec, plain = spec_runs["c4r4-ngram"], spec_runs["c4r4"]
+    assert "FULL" in spec["cudagraph_mode"] and spec["accepted"] > 0, (spec["cudagraph_mode"], spec["accepted"])
+    lens, diff = _common_prefix(spec, plain)
+    print(f"c4r4 n-gram ({spec['accepted']} of {spec['drafts']} drafts accepted) vs no drafts: tokens equal for"
+          f" {lens} of {GEN}; mean |logprob diff| {diff:.4g}")  # fmt: skip
+    assert diff < 0.05, (lens, diff)
+    want = _teacher_forced_logprobs(model_dir, "c4r4", spec["tokens"], dtype=torch.bfloat16)
+    mean, top = mean_abs_diff(spec["logprobs"], want), max_abs_diff(spec["logprobs"], want)
+    print(f"c4r4 n-gram: per token |logprob vLLM - quantmla BF16| mean {mean:.3g}, max {top:.3g}")
+    assert mean <= 0.1 and top <= 1.0, (mean, top)
+
+
+def test_deepseek_mtp_runs_through_the_quantised_cache(spec_runs):
+    """DeepSeek-V3 with its MTP layer (dummy weights): every step verifies 2 tokens a request through the kernels;
+    the greedy tokens follow the run without drafts."""
+    spec, plain = spec_runs["v3-c4r4-mtp"], spec_runs["v3-c4r4"]
+    assert "FULL" in spec["cudagraph_mode"] and spec["drafts"] > 0, (spec["cudagraph_mode"], spec["drafts"])
+    lens, diff = _common_prefix(spec, plain)
+    print(f"V3 c4r4 MTP ({spec['accepted']} of {spec['drafts']} drafts accepted) vs no drafts: tokens equal for"
+          f" {lens} of {GEN}; mean |logprob diff| {diff:.4g}")  # fmt: skip
+    assert diff < 0.05, (lens, diff)

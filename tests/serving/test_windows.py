@@ -16,12 +16,12 @@ class Engine:
     """A paged engine in miniature: requests get blocks from a shuffled free list, write their tokens
     each step (records and shadows) and decode through the windows."""
 
-    def __init__(self, cfg, block_size=32, num_blocks=48, max_reqs=3, scheme="c4r4", seed=0):
+    def __init__(self, cfg, block_size=32, num_blocks=48, max_reqs=3, scheme="c4r4", seed=0, extra=0):
         self.cfg, self.bs = cfg, block_size
         self.layout = RecordLayout(scheme, DC, DR, 32)
         self.pages = torch.zeros(num_blocks, block_size, self.layout.record_bytes, dtype=torch.uint8)
-        self.pool = WindowPool(cfg, num_blocks * block_size, max_reqs, "cpu")
-        self.shadow = ShadowRows(cfg, max_reqs, DC + DR, torch.float32)
+        self.pool = WindowPool(cfg, num_blocks * block_size, max_reqs, "cpu", extra=extra)
+        self.shadow = ShadowRows(cfg, max_reqs, DC + DR, torch.float32, extra=extra)
         self.pool.register(0, lambda rows, slots: self.shadow.repair(self.read, rows, slots))
         self.gen = torch.Generator().manual_seed(seed)
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
@@ -204,6 +204,25 @@ def test_short_extends_the_pool_cannot_hold_attend_as_prefills():
     granted = eng.step({0: 9, 1: 1}, short=True)
     assert granted.tolist() == [False, True]  # no shadow to spare for request 0's earlier windows
     assert eng.pool.misses == 0
+
+
+@pytest.mark.parametrize(("sink", "recent", "k"), [(4, 24, 3), (4, 25, 2), (0, 16, 7)])
+def test_a_pool_sized_for_drafts_grants_every_speculative_step(sink, recent, k):
+    """With ``extra=k`` (speculative decoding's drafts) a full pool (every request running, all at long lengths)
+    grants every step of ``k + 1`` tokens a request as decode tokens, each token at its own length's exact
+    policy; sized without them, the same steps would not all be granted."""
+    cfg = WindowPolicy(sink, recent)
+    for extra in (k, 0):
+        eng = Engine(cfg, block_size=16, num_blocks=96, max_reqs=3, extra=extra)
+        eng.step({0: 70, 1: 45, 2: 101})
+        ok = [bool(eng.step({0: k + 1, 1: k + 1, 2: k + 1}, short=True).all()) for _ in range(4)]
+        if extra:
+            assert all(ok) and eng.pool.misses == 0
+            lens = [len(eng.tokens[r]) - k + j for r in range(3) for j in range(k + 1)]
+            _assert_rows_match_the_policy(eng, [r for r in range(3) for _ in range(k + 1)], lens)
+        else:
+            assert not all(ok)
+    assert cfg.subpages(k) > cfg.subpages_per_request and cfg.shadow_rows(3, k) == cfg.subpages(k) * 3 * SUB
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stream-sync check needs CUDA (sync debug mode)")

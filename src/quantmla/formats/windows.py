@@ -103,9 +103,17 @@ class WindowPolicy:
     @property
     def subpages_per_request(self) -> int:
         """Shadow sub-pages one request's windows can touch: the sinks' plus the recent window's at any offset."""
-        # ``recent`` consecutive positions starting anywhere in a sub-page span at most this many
-        return -(-self.sink // SUB) + (-(-(self.recent + SUB - 1) // SUB) if self.recent else 0)
+        return self.subpages(0)
 
-    def shadow_rows(self, max_requests: int) -> int:
-        """Shadow rows of a pool for ``max_requests`` requests at once (without the scratch row)."""
-        return self.subpages_per_request * max_requests * SUB
+    def subpages(self, extra: int) -> int:
+        """Shadow sub-pages one request's windows can touch when its recent window reaches ``extra`` positions
+        further back (the earlier query tokens of a speculative-decoding step)."""
+        if extra < 0:
+            raise ValueError(f"extra={extra}: must be >= 0")
+        # ``recent + extra`` consecutive positions starting anywhere in a sub-page span at most this many
+        return -(-self.sink // SUB) + (-(-(self.recent + extra + SUB - 1) // SUB) if self.recent else 0)
+
+    def shadow_rows(self, max_requests: int, extra: int = 0) -> int:
+        """Shadow rows of a pool for ``max_requests`` requests at once (without the scratch row), each window
+        reaching ``extra`` positions further back."""
+        return self.subpages(extra) * max_requests * SUB

@@ -35,6 +35,7 @@ from quantmla.kernels.layout import PagedLatentStore
 from quantmla.kernels.splits import (
     MAX_SPLITS,
     PLAN_BLOCK,
+    paged_tokens,
     plan_pages_per_split,
     sm_count,
     split_capacity,
@@ -43,9 +44,27 @@ from quantmla.kernels.splits import (
 
 
 @triton.jit
+def online_softmax(qk, smask, m_i, l_i, scale_log2, SAFE: tl.constexpr):
+    """One tile's scores ``qk [rows, T]`` masked by ``smask`` (``[1, T]`` or ``[rows, T]``) into the running
+    max and sum: ``(m_new, l_i, alpha, p)``. ``SAFE``: a row may have no token in the tile (per-row masks of
+    several query tokens), so a row still at -inf keeps alpha and p at 0 instead of NaN."""
+    qk = tl.where(smask, qk * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if SAFE:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, alpha, p
+
+
+@triton.jit
 def _attend(
-    q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT: tl.constexpr
-):
+    q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, smask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT: tl.constexpr,
+    SAFE: tl.constexpr,
+):  # fmt: skip
     # DT is bfloat16 on the GPU; float32 under the CPU interpreter, whose bf16 dot is not numeric and
     # whose bf16 casts truncate
     c0, c1, c2, c3, r0, r1 = c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), r0.to(DT), r1.to(DT)
@@ -55,17 +74,45 @@ def _attend(
     qk += tl.dot(q3.to(DT), tl.trans(c3))
     qk += tl.dot(qr0.to(DT), tl.trans(r0))
     qk += tl.dot(qr1.to(DT), tl.trans(r1))
-    qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, alpha, p = online_softmax(qk, smask, m_i, l_i, scale_log2, SAFE)
     pb = p.to(DT)
     a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
     a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
     a2 = a2 * alpha[:, None] + tl.dot(pb, c2)
     a3 = a3 * alpha[:, None] + tl.dot(pb, c3)
     return m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def query_rows(hg, H, QT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A program's query rows: ``QT`` query tokens of ``H`` heads each, row ``t * H + h``. Returns the rows,
+    their mask, and how many of the sequence's tokens come after each row's token (``QT - 1 - t``)."""
+    rows = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    return rows, rows < QT * H, QT - 1 - rows // H
+
+
+@triton.jit
+def page_score_mask(tmask, pos, total, back, WS: tl.constexpr, WR: tl.constexpr, QT: tl.constexpr):
+    """The score mask of a page tile (positions ``pos [T]``, tile mask ``tmask``): ``[1, T]`` for one query
+    token; with several, row ``r`` (``back[r]`` tokens after it) also only up to its own paged tokens, those
+    of a sequence of ``total - back[r]`` (causal among the query tokens, and each row's own window)."""
+    if QT == 1:  # (a constexpr branch: one return type per specialisation)
+        m = tmask[None, :]
+    else:
+        m = tmask[None, :] & (pos[None, :] < paged_tokens(total - back, WS, WR)[:, None])
+    return m
+
+
+@triton.jit
+def window_score_mask(tmask, pos, total, back, WS: tl.constexpr, WR: tl.constexpr, QT: tl.constexpr):
+    """The score mask of a tile of shadow window rows (positions ``pos``): with several query tokens, row
+    ``r`` sees the sinks and its own last ``WR`` tokens of its ``total - back[r]``."""
+    if QT == 1:
+        m = tmask[None, :]
+    else:
+        n_r = (total - back)[:, None]
+        m = tmask[None, :] & (pos[None, :] < n_r) & ((pos[None, :] < WS) | (pos[None, :] >= n_r - WR))
+    return m
 
 
 @triton.jit
@@ -112,16 +159,22 @@ def init_state(BLOCK_H: tl.constexpr, PL: tl.constexpr):
 
 
 @triton.jit
-def _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL: tl.constexpr, RPL: tl.constexpr):
-    """Sequence ``b``'s queries of ``heads``, four content planes and two RoPE planes (strides ``SQB, SQH``
-    and ``SRB, SRH`` per sequence and head, channels contiguous)."""
-    qb = Q + b * SQB + heads[:, None] * SQH + tl.arange(0, PL)[None, :]
+def query_offsets(SQB, SQT, SQH, b, rows, H):
+    """Element offsets of sequence ``b``'s query rows (row ``t * H + h``: strides ``SQB, SQT, SQH`` per
+    sequence, query token and head)."""
+    return b * SQB + (rows // H) * SQT + (rows % H) * SQH
+
+
+@triton.jit
+def _load_query(Q, QR, SQB, SQT, SQH, SRB, SRT, SRH, b, rows, H, hmask, PL: tl.constexpr, RPL: tl.constexpr):
+    """Sequence ``b``'s query rows, four content planes and two RoPE planes, channels contiguous."""
+    qb = Q + query_offsets(SQB, SQT, SQH, b, rows, H)[:, None] + tl.arange(0, PL)[None, :]
     msk = hmask[:, None]
     q0 = tl.load(qb, mask=msk, other=0.0)
     q1 = tl.load(qb + PL, mask=msk, other=0.0)
     q2 = tl.load(qb + 2 * PL, mask=msk, other=0.0)
     q3 = tl.load(qb + 3 * PL, mask=msk, other=0.0)
-    qrb = QR + b * SRB + heads[:, None] * SRH + tl.arange(0, RPL)[None, :]
+    qrb = QR + query_offsets(SRB, SRT, SRH, b, rows, H)[:, None] + tl.arange(0, RPL)[None, :]
     qr0 = tl.load(qrb, mask=msk, other=0.0)
     qr1 = tl.load(qrb + RPL, mask=msk, other=0.0)
     return q0, q1, q2, q3, qr0, qr1
@@ -130,10 +183,10 @@ def _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL: tl.constexpr, RP
 @triton.jit
 def shadow_row_pointers(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr, SUB: tl.constexpr, WS: tl.constexpr,
                  WR: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):  # fmt: skip
-    """Row pointers and mask of window positions ``[t0, t0 + BLOCK_T)`` of sequence ``b`` (``n`` tokens) in
-    its shadow rows: window position ``k`` is token ``k`` (a sink, or every token when ``n <= WS + WR``)
-    or ``n - WS - WR + k``; its slot's sub-page (``slot // SUB``) maps to a shadow sub-page through
-    ``MAP`` (none: the scratch row ``TRASH``)."""
+    """Row pointers, mask and token positions of window positions ``[t0, t0 + BLOCK_T)`` of sequence ``b``
+    (``n`` tokens) in its shadow rows: window position ``k`` is token ``k`` (a sink, or every token when
+    ``n <= WS + WR``) or ``n - WS - WR + k``; its slot's sub-page (``slot // SUB``) maps to a shadow sub-page
+    through ``MAP`` (none: the scratch row ``TRASH``)."""
     W: tl.constexpr = WS + WR
     k = t0 + tl.arange(0, BLOCK_T)
     tmask = k < tl.minimum(n, W)
@@ -143,43 +196,49 @@ def shadow_row_pointers(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE: tl.constexpr
     slot = blk * PAGE + pos % PAGE
     sh = tl.load(MAP + slot // SUB, mask=tmask, other=-1).to(tl.int64)
     row = tl.where(sh >= 0, sh * SUB + slot % SUB, TRASH)
-    return ROWS + row * D, tmask
+    return ROWS + row * D, tmask, pos
 
 
 @triton.jit(do_not_specialize=["NS", "NSP"])
 def _paged_kernel(
-    Q, QR, SQB, SQH, SRB, SRH, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H, MAXP, NS, NSP, scale_log2,
+    Q, QR, SQB, SQT, SQH, SRB, SRT, SRH, KV, KV_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H, MAXP, NS, NSP, scale_log2,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     DT: tl.constexpr, PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr,
+    QT: tl.constexpr,
 ):  # fmt: skip
     """BF16 pages ``[c | k^R]`` (FlashMLA's dense layout); ``KV_PS``: elements from one page to the next. The
-    first split of each sequence stores how many splits have tokens in ``NUSED``."""
+    first split of each sequence stores how many splits have tokens in ``NUSED``. ``QT`` query tokens a
+    sequence (its last ``QT``, causal among them): ``QT * H`` query rows."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     hg = tl.program_id(2)
     PL: tl.constexpr = DC // 4
     RPL: tl.constexpr = DR // 2
-    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
+    rows, hmask, back = query_rows(hg, H, QT, BLOCK_H)
     per = 0
     if PLAN:
         per = plan_pages_per_split(NPAGED, tl.num_programs(0), tl.num_programs(2), NS, PAGE, 0, 0, SMS, MAXS, PLAN_B)
     n, kstart, p0, p1, used = split_pages(NPAGED, KSTART, b, split, NS, per, PAGE, 0, 0, PLAN)
     active = p0 < p1
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, tl.where(active, hmask, False), PL, RPL)
+    q0, q1, q2, q3, qr0, qr1 = _load_query(
+        Q, QR, SQB, SQT, SQH, SRB, SRT, SRH, b, rows, H, tl.where(active, hmask, False), PL, RPL
+    )
     m_i, l_i, a0, a1, a2, a3 = init_state(BLOCK_H, PL)
     for p in range(p0, p1):
         page = tl.load(BT + b * MAXP + p).to(tl.int64)
         for t0 in tl.static_range(0, PAGE, BLOCK_T):
-            rows = t0 + tl.arange(0, BLOCK_T)
-            tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
-            row = page * KV_PS + rows * (DC + DR)  # the token's first element
+            toks = t0 + tl.arange(0, BLOCK_T)
+            pos = p * PAGE + toks
+            tmask = (pos < n) & (pos >= kstart)
+            row = page * KV_PS + toks * (DC + DR)  # the token's first element
             c0, c1, c2, c3, r0, r1 = _load_bf16_rows(KV + row, tmask, DC, PL, RPL)
+            smask = page_score_mask(tmask, pos, n, back, 0, 0, QT)
             m_i, l_i, a0, a1, a2, a3 = _attend(
-                q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
-            )
-    _store_partial(OP, LP, b, split, heads, hmask, H, NSP, m_i, l_i, a0, a1, a2, a3, PL, active)
+                q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, smask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT,
+                QT > 1,
+            )  # fmt: skip
+    _store_partial(OP, LP, b, split, rows, hmask, QT * H, NSP, m_i, l_i, a0, a1, a2, a3, PL, active)
 
 
 @triton.jit
@@ -210,9 +269,8 @@ def _window_kernel(
     hg = tl.program_id(2)
     PL: tl.constexpr = DC // 4
     RPL: tl.constexpr = DR // 2
-    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, SQH, SRB, SRH, b, heads, hmask, PL, RPL)
+    heads, hmask, _ = query_rows(hg, H, 1, BLOCK_H)
+    q0, q1, q2, q3, qr0, qr1 = _load_query(Q, QR, SQB, 0, SQH, SRB, 0, SRH, b, heads, H, hmask, PL, RPL)
     m_i, l_i, a0, a1, a2, a3 = init_state(BLOCK_H, PL)
     hl = tl.load(HPLEN + b)
     wskip = tl.load(WSKIP + b)  # window rows before this index are masked (left padding in the sinks)
@@ -221,8 +279,9 @@ def _window_kernel(
         tmask = (rows < hl) & (rows >= wskip)
         c0, c1, c2, c3, r0, r1 = _load_bf16_rows(HP + (b * HPCAP + rows).to(tl.int64) * (DC + DR), tmask, DC, PL, RPL)
         m_i, l_i, a0, a1, a2, a3 = _attend(
-            q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask, m_i, l_i, a0, a1, a2, a3, scale_log2, DT
-        )
+            q0, q1, q2, q3, qr0, qr1, c0, c1, c2, c3, r0, r1, tmask[None, :], m_i, l_i, a0, a1, a2, a3, scale_log2,
+            DT, False,
+        )  # fmt: skip
     _store_partial(OP, LP, b, NS, heads, hmask, H, NS + 1, m_i, l_i, a0, a1, a2, a3, PL, hl > 0)
 
 
@@ -292,6 +351,7 @@ WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs
 COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (docs/notebook.md, "used splits"); a warp per 32
 PARTIAL_DTYPES = (torch.float32, torch.float16)  # the split partials' dtypes :func:`mla_decode` takes
+NUM_WARPS = (4, 8)  # the launches tested (16 warps faulted at 128 heads on H100: decode_attention.py --sweep)
 
 
 @functools.lru_cache(maxsize=64)
@@ -358,10 +418,16 @@ def mla_decode(
     window_splits: int | None = None,
     partial_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query token per sequence over a paged (low-bit or BF16) latent cache.
+    """Decode attention over a paged (low-bit or BF16) latent cache: one query token a sequence, or ``S`` (a
+    speculative-decoding step's verified tokens: the sequence's last ``S``, causal among them).
 
     Args:
-        q_lat: ``[B, H, d_c]`` bf16, ``q_nope @ W_UK``.  q_pe: ``[B, H, d_r]`` bf16, RoPE'd query.
+        q_lat: ``[B, H, d_c]`` or ``[B, S, H, d_c]`` bf16, ``q_nope @ W_UK``; q_pe: ``[B, H, d_r]`` or
+            ``[B, S, H, d_r]`` bf16, the RoPE'd query. With ``S`` query tokens, ``n_paged`` (or the shadow
+            length) counts all of them, and query token ``t`` attends to the first ``n - S + 1 + t`` tokens
+            under the exact policy of that length: its own last ``recent`` tokens from the shadows (which must
+            hold the ``S - 1`` positions before the step's window too), the rest from the pages. Not with
+            ``window``. The outputs then have shape ``[B, S, H, d_c]`` and ``[B, S, H]``.
         store: the page pool; block_table ``[B, max_pages]`` int32; n_paged ``[B]`` int32 tokens in pages.
         scale: softmax scale. window / window_len: ``[B, cap, d_c + d_r]`` bf16 unquantised tokens
             (sinks and recent window) and their count per sequence, joined into the same softmax.
@@ -394,13 +460,22 @@ def mla_decode(
     cache, probabilities) with fp32 accumulation; the BF16 kernel in bf16.
     """
     lay = store.layout
-    B, H, DC = q_lat.shape
+    if q_lat.dim() not in (3, 4) or q_pe.dim() != q_lat.dim():
+        raise ValueError(f"queries must be [B, H, d] or [B, S, H, d], got {tuple(q_lat.shape)} and {tuple(q_pe.shape)}")
+    multi = q_lat.dim() == 4
+    if not multi:
+        q_lat, q_pe = q_lat.unsqueeze(1), q_pe.unsqueeze(1)
+    B, S, H, DC = q_lat.shape
     DR = q_pe.shape[-1]
+    if S < 1:
+        raise ValueError(f"{S} query tokens a sequence: must be at least 1")
+    if S > 1 and window is not None:
+        raise ValueError(f"{S} query tokens a sequence read their windows from shadows (or none), not from window=")
     if (DC, DR) != (lay.kv_lora_rank, lay.rope_dim):
         raise ValueError(f"query dims ({DC}, {DR}) do not match the store ({lay.kv_lora_rank}, {lay.rope_dim})")
     if q_lat.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16:
         raise ValueError(f"queries must be bfloat16, got {q_lat.dtype} and {q_pe.dtype}")
-    if q_pe.shape[:2] != (B, H):
+    if q_pe.shape[:3] != (B, S, H):
         raise ValueError(f"q_pe shape {tuple(q_pe.shape)} does not match q_lat {tuple(q_lat.shape)}")
     if block_table.dtype != torch.int32 or n_paged.dtype != torch.int32 or block_table.shape[0] != B:
         raise ValueError("block_table [B, max_pages] and n_paged [B] must be int32")
@@ -428,11 +503,14 @@ def mla_decode(
     if partial_dtype != torch.float32 and not lay.quantized:
         raise ValueError(f"partial_dtype={partial_dtype} needs a quantised store (fp16 range); a BF16 store takes"
                          " torch.float32")  # fmt: skip
+    if num_warps is not None and num_warps not in NUM_WARPS:
+        raise ValueError(f"num_warps={num_warps}: one of {', '.join(map(str, NUM_WARPS))} (the launches tested)")
     if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:
         raise ValueError(f"maxnreg={maxnreg}: a register cap must be 64..255, 0 (no cap) or None (the default)")
+    R = S * H  # query rows a sequence
     if block_h is None:
-        block_h = min(64, max(16, triton.next_power_of_2(H)))
-    hg = triton.cdiv(H, block_h)
+        block_h = min(64, max(16, triton.next_power_of_2(R)))
+    hg = triton.cdiv(R, block_h)
     maxp = block_table.shape[1]
     # the grid's splits; the kernels plan how many they use from the lengths on the device, unless given
     plan = num_splits is None
@@ -446,8 +524,9 @@ def mla_decode(
     cap = tuned["maxnreg"] if maxnreg is None else (maxnreg or None)
     paged_regs = {"maxnreg": cap} if cap and not interpret else {}
     ws, wr = (shadow.sink, shadow.recent) if shadow is not None else (0, 0)
-    wspl, wrows = window_programs(ws + wr, window_splits if window_splits is not None
-                                  else default_window_splits(B * hg, ws + wr))  # fmt: skip
+    wpos = ws + wr + S - 1 if ws + wr else 0  # window positions read: every query token's own window
+    wspl, wrows = window_programs(wpos, window_splits if window_splits is not None
+                                  else default_window_splits(B * hg, wpos))  # fmt: skip
     nsp = ns + (1 if window is not None else wspl)
     if shadow is not None and shadow.rows.shape[1] != DC + DR:
         raise ValueError(f"shadow rows are {shadow.rows.shape[1]} wide; the queries need {DC + DR}")
@@ -458,14 +537,14 @@ def mla_decode(
     sh = (shadow.rows, shadow.map, shadow.rows.shape[0] - 1) if shadow is not None else (q_lat, block_table, 0)
     sub = shadow.sub if shadow is not None else SUB
     grid = (B, ns + wspl, hg)
-    op = torch.empty(B, nsp, H, DC, dtype=partial_dtype, device=dev)
-    lp = torch.empty(B, nsp, H, dtype=torch.float32, device=dev)
+    op = torch.empty(B, nsp, R, DC, dtype=partial_dtype, device=dev)
+    lp = torch.empty(B, nsp, R, dtype=torch.float32, device=dev)
     scale_log2 = scale * 1.4426950408889634
     # the CPU interpreter's bf16/fp16 dots are not numeric: it computes the dots in fp32
     bf16_dt = tl.float32 if interpret else tl.bfloat16
     used = torch.empty(B, dtype=torch.int32, device=dev)  # page splits with tokens, a sequence (the kernels')
     common = (block_table, n_paged, paged_start, op, lp, used, H, maxp, ns, nsp, scale_log2)
-    qs = (q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1))
+    qs = (q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
     planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
     if lay.quantized:
         from quantmla.kernels.decode_lowbit import lowbit_kernel
@@ -475,13 +554,13 @@ def mla_decode(
             q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
-            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, num_warps=num_warps, **stages,
-            **paged_regs,
+            SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, QT=S, num_warps=num_warps,
+            **stages, **paged_regs,
         )  # fmt: skip
     else:
         kernel = _paged_kernel[grid](
             q_lat, q_pe, *qs, store.content, store.content.stride(0), *common,
-            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning,
+            DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning, QT=S,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
     mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
@@ -490,7 +569,10 @@ def mla_decode(
         _window_kernel[(B, 1, hg)](
             q_lat,
             q_pe,
-            *qs,
+            qs[0],
+            qs[2],
+            qs[3],
+            qs[5],
             window,
             window_len,
             window_skip,
@@ -508,7 +590,10 @@ def mla_decode(
             num_warps=num_warps,
             **stages,
         )
-    return combine_splits(op, lp, out_dtype, used=used, window_slots=nsp - ns)
+    o, lse = combine_splits(op, lp, out_dtype, used=used, window_slots=nsp - ns)
+    if multi:
+        return o.view(B, S, H, DC), lse.view(B, S, H)
+    return o, lse
 
 
 def combine_splits(op: torch.Tensor, lp: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,

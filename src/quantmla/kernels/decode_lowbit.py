@@ -14,7 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from quantmla.kernels.decode import init_state, shadow_row_pointers
+from quantmla.kernels.decode import (
+    init_state,
+    online_softmax,
+    page_score_mask,
+    query_offsets,
+    query_rows,
+    shadow_row_pointers,
+    window_score_mask,
+)
 from quantmla.kernels.splits import plan_pages_per_split, split_pages
 from quantmla.kernels.unpack import dequant4, dequant8
 
@@ -44,10 +52,11 @@ def _scales8(SM, tok, tmask, PW: tl.constexpr, G: tl.constexpr, T: tl.constexpr)
 
 @triton.jit
 def _attend8(
-    q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, tmask,
-    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT: tl.constexpr,
+    q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, smask,
+    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT: tl.constexpr, SAFE: tl.constexpr,
 ):  # fmt: skip
-    """One tile of the online softmax over eight content planes and four RoPE planes (all ``DT``)."""
+    """One tile of the online softmax over eight content planes and four RoPE planes (all ``DT``); ``smask``
+    the score mask (``[1, T]``, or ``[rows, T]`` with ``SAFE``: see :func:`~quantmla.kernels.decode.online_softmax`)."""
     qk = tl.dot(q0, tl.trans(c0))
     qk += tl.dot(q1, tl.trans(c1))
     qk += tl.dot(q2, tl.trans(c2))
@@ -60,11 +69,7 @@ def _attend8(
     qk += tl.dot(qr1, tl.trans(r1))
     qk += tl.dot(qr2, tl.trans(r2))
     qk += tl.dot(qr3, tl.trans(r3))
-    qk = tl.where(tmask[None, :], qk * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    pr = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(pr, 1)
+    m_new, l_i, alpha, pr = online_softmax(qk, smask, m_i, l_i, scale_log2, SAFE)
     pb = pr.to(tl.float16).to(DT)
     a0 = a0 * alpha[:, None] + tl.dot(pb, c0)
     a1 = a1 * alpha[:, None] + tl.dot(pb, c1)
@@ -102,20 +107,24 @@ def _row_planes(ptr, tmask, DC: tl.constexpr, PW: tl.constexpr, RPW: tl.constexp
 
 @triton.jit(do_not_specialize=["NS", "NSP"])
 def lowbit_kernel(
-    Q, QR, SQB, SQH, SRB, SRH, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP, NUSED, H,
-    MAXP, NS, NSP, scale_log2, ROWS, MAP, TRASH,
+    Q, QR, SQB, SQT, SQH, SRB, SRT, SRH, CW, CSM, RW, RSM, CW_PS, CSM_PS, RW_PS, RSM_PS, BT, NPAGED, KSTART, OP, LP,
+    NUSED, H, MAXP, NS, NSP, scale_log2, ROWS, MAP, TRASH,
     DC: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, CBITS: tl.constexpr, ASM_OK: tl.constexpr, DT: tl.constexpr, WS: tl.constexpr,
     WR: tl.constexpr, SUB: tl.constexpr, WBLOCK_T: tl.constexpr, WSPL: tl.constexpr, WROWS: tl.constexpr,
-    PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr,
+    PLAN: tl.constexpr, SMS: tl.constexpr, MAXS: tl.constexpr, PLAN_B: tl.constexpr, QT: tl.constexpr,
 ):  # fmt: skip
-    """With shadow windows (``WS + WR > 0``) split indices ``0..WSPL-1`` of the grid read each sequence's
+    """``QT`` query tokens a sequence (its last ``QT``, causal among them): ``QT * H`` query rows, row ``t * H + h``;
+    each row reads its own length's exact policy (pages up to its own paged tokens, the sinks and its own last
+    ``WR`` tokens from the shadows), so the window programs read ``WS + WR + QT - 1`` positions.
+
+    With shadow windows (``WS + WR > 0``) split indices ``0..WSPL-1`` of the grid read each sequence's
     window rows (BF16, exact in ``DT``) in place, ``WROWS`` window positions each (a multiple of ``WBLOCK_T``),
     and store their partials as splits ``NS..NS+WSPL-1``; the splits after them read the pages. A program with
     nothing to read (past its sequence's splits, or a window program past its sequence's window) loads nothing
     and stores only its -inf log-sum-exp. The first page split of each sequence stores how many
-    page splits it has in ``NUSED`` (the combine reads those and the windows'). Queries: strides ``SQB, SQH``
-    (``Q``) and ``SRB, SRH`` (``QR``) per sequence and head, channels contiguous."""
+    page splits it has in ``NUSED`` (the combine reads those and the windows'). Queries: strides ``SQB, SQT, SQH``
+    (``Q``) and ``SRB, SRT, SRH`` (``QR``) per sequence, query token and head, channels contiguous."""
     b = tl.program_id(0)
     split = tl.program_id(1) - WSPL  # negative: window program ``program_id(1)``
     hg = tl.program_id(2)
@@ -124,18 +133,19 @@ def lowbit_kernel(
         nsq = tl.num_programs(0)
         per = plan_pages_per_split(NPAGED, nsq, tl.num_programs(2), NS, PAGE, WS, WR, SMS, MAXS, PLAN_B)
     n, kstart, p0, p1, used = split_pages(NPAGED, KSTART, b, tl.maximum(split, 0), NS, per, PAGE, WS, WR, PLAN)
+    total = tl.load(NPAGED + b)  # with shadows, the sequence's length
     w0 = tl.program_id(1) * WROWS  # a window program's first window position
-    active = tl.where(split >= 0, p0 < p1, tl.minimum(tl.load(NPAGED + b), WS + WR) > w0)
+    WX: tl.constexpr = WR + QT - 1  # the recent positions the window programs read: every row's own window
+    active = tl.where(split >= 0, p0 < p1, tl.minimum(tl.load(NPAGED + b), WS + WX) > w0)
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width
     NG: tl.constexpr = DC // G
     NGR: tl.constexpr = DR // G
-    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
+    heads, hmask, back = query_rows(hg, H, QT, BLOCK_H)
     cp = tl.arange(0, PW)[None, :]
     rp = tl.arange(0, RPW)[None, :]
-    qb = Q + b * SQB + heads[:, None] * SQH + cp
+    qb = Q + query_offsets(SQB, SQT, SQH, b, heads, H)[:, None] + cp
     hm = tl.where(active, hmask, False)[:, None]
     q0 = tl.load(qb + 0 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q1 = tl.load(qb + 1 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
@@ -145,7 +155,7 @@ def lowbit_kernel(
     q5 = tl.load(qb + 5 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q6 = tl.load(qb + 6 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
     q7 = tl.load(qb + 7 * PW, mask=hm, other=0.0).to(tl.float16).to(DT)
-    qrb = QR + b * SRB + heads[:, None] * SRH + rp
+    qrb = QR + query_offsets(SRB, SRT, SRH, b, heads, H)[:, None] + rp
     qr0 = tl.load(qrb + 0 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr1 = tl.load(qrb + 1 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
     qr2 = tl.load(qrb + 2 * RPW, mask=hm, other=0.0).to(tl.float16).to(DT)
@@ -159,7 +169,8 @@ def lowbit_kernel(
             page = tl.load(BT + b * MAXP + p).to(tl.int64)
             for t0 in tl.static_range(0, PAGE, BLOCK_T):
                 rows = t0 + tl.arange(0, BLOCK_T)
-                tmask = (p * PAGE + rows < n) & (p * PAGE + rows >= kstart)
+                pos = p * PAGE + rows
+                tmask = (pos < n) & (pos >= kstart)
                 # each field's words of these tokens: page strides (``*_PS``) are the caller's, token strides
                 # are the field's width (a page holds each field's tokens back to back)
                 ctok = page * CSM_PS + rows * NG
@@ -191,25 +202,27 @@ def lowbit_kernel(
                 m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
                     q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3,
                     c0.to(DT), c1.to(DT), c2.to(DT), c3.to(DT), c4.to(DT), c5.to(DT), c6.to(DT), c7.to(DT),
-                    r0.to(DT), r1.to(DT), r2.to(DT), r3.to(DT), tmask, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
-                    scale_log2, DT,
+                    r0.to(DT), r1.to(DT), r2.to(DT), r3.to(DT), page_score_mask(tmask, pos, total, back, WS, WR, QT),
+                    m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT, QT > 1,
                 )  # fmt: skip
     elif WS + WR > 0:
-        n = tl.load(NPAGED + b)
-        for t0 in range(w0, tl.minimum(tl.minimum(n, WS + WR), w0 + WROWS), WBLOCK_T):
-            ptr, tmask = shadow_row_pointers(ROWS, MAP, BT, b, MAXP, n, t0, TRASH, PAGE, SUB, WS, WR, WBLOCK_T, DC + DR)
+        for t0 in range(w0, tl.minimum(tl.minimum(total, WS + WX), w0 + WROWS), WBLOCK_T):
+            ptr, tmask, pos = shadow_row_pointers(
+                ROWS, MAP, BT, b, MAXP, total, t0, TRASH, PAGE, SUB, WS, WX, WBLOCK_T, DC + DR
+            )
             c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3 = _row_planes(ptr, tmask, DC, PW, RPW, DT)
             m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7 = _attend8(
                 q0, q1, q2, q3, q4, q5, q6, q7, qr0, qr1, qr2, qr3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3,
-                tmask, m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7, scale_log2, DT,
+                window_score_mask(tmask, pos, total, back, WS, WR, QT), m_i, l_i, a0, a1, a2, a3, a4, a5, a6, a7,
+                scale_log2, DT, QT > 1,
             )  # fmt: skip
 
     split = tl.where(split >= 0, split, NS + tl.program_id(1))
     has = l_i > 0
     inv = (1.0 / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LP + (b * NSP + split) * H + heads, lse, mask=hmask)
-    ob = OP + ((b * NSP + split) * H + heads)[:, None] * DC + cp  # hm: not for a program without tokens
+    tl.store(LP + (b * NSP + split) * (QT * H) + heads, lse, mask=hmask)
+    ob = OP + ((b * NSP + split) * (QT * H) + heads)[:, None] * DC + cp  # hm: not for a program without tokens
     tl.store(ob + 0 * PW, a0 * inv, mask=hm)
     tl.store(ob + 1 * PW, a1 * inv, mask=hm)
     tl.store(ob + 2 * PW, a2 * inv, mask=hm)

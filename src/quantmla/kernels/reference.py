@@ -18,7 +18,26 @@ def gather_tokens(store: PagedLatentStore, block_table: torch.Tensor, n: int, b:
 def mla_decode_reference(
     q_lat, q_pe, store, block_table, n_paged, scale, window=None, window_len=None, paged_start=None, window_skip=None
 ):
-    """Returns float32 ``o_lat [B, H, d_c]`` and ``lse [B, H]``; same arguments as ``mla_decode``."""
+    """Returns float32 ``o_lat [B, H, d_c]`` and ``lse [B, H]``; same arguments as ``mla_decode``. Queries
+    ``[B, S, H, d]`` (``S`` query tokens a sequence, no window): token ``t`` attends to the first
+    ``n_paged - S + 1 + t`` tokens; outputs ``[B, S, H, d_c]`` and ``[B, S, H]``."""
+    if q_lat.dim() == 4:
+        if window is not None:
+            raise ValueError("several query tokens a sequence take no window buffer")
+        S = q_lat.shape[1]
+        outs = [
+            mla_decode_reference(
+                q_lat[:, t],
+                q_pe[:, t],
+                store,
+                block_table,
+                (n_paged - (S - 1 - t)).clamp_min(0),
+                scale,
+                paged_start=paged_start,
+            )  # fmt: skip
+            for t in range(S)
+        ]
+        return torch.stack([o for o, _ in outs], 1), torch.stack([lse for _, lse in outs], 1)
     B, H, DC = q_lat.shape
     o = torch.zeros(B, H, DC, dtype=torch.float32, device=q_lat.device)
     lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q_lat.device)

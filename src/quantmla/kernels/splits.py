@@ -23,7 +23,7 @@ PLAN_BLOCK = 128  # sequences a step of the kernels' split plan reads
 
 
 @triton.jit
-def _paged_tokens(total, WS: tl.constexpr, WR: tl.constexpr):
+def paged_tokens(total, WS: tl.constexpr, WR: tl.constexpr):
     """Tokens of a sequence of ``total`` that its pages are read for, from position 0 (with shadow windows,
     ``[WS, n - WR)`` of a sequence longer than ``WS + WR`` is read from the pages, positions below ``WS``
     masked; a shorter one is all window)."""
@@ -44,7 +44,7 @@ def plan_pages_per_split(NPAGED, B, HG, NS, PAGE: tl.constexpr, WS: tl.constexpr
     tot = 0
     for i in range(0, B, PLAN_B):
         idx = i + tl.arange(0, PLAN_B)
-        pg = tl.cdiv(_paged_tokens(tl.load(NPAGED + idx, mask=idx < B, other=0), WS, WR), PAGE)
+        pg = tl.cdiv(paged_tokens(tl.load(NPAGED + idx, mask=idx < B, other=0), WS, WR), PAGE)
         act += tl.sum((pg > 0).to(tl.int32), 0)
         mx = tl.maximum(mx, tl.max(pg, 0))
         tot += tl.sum(pg, 0)
@@ -68,7 +68,7 @@ def split_pages(NPAGED, KSTART, b, split, NS, per, PAGE: tl.constexpr, WS: tl.co
     (``WS + WR > 0``: sinks and recent window read from the shadows), ``NPAGED`` holds each sequence's
     length."""
     total = tl.load(NPAGED + b)
-    n = _paged_tokens(total, WS, WR)
+    n = paged_tokens(total, WS, WR)
     if WS + WR > 0:
         kstart = tl.where(total > WS + WR, WS, 0)
     else:

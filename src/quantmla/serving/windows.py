@@ -52,14 +52,16 @@ class WindowPool:
     """Which sub-pages have a shadow, for all layers of one engine (shadow rows: :class:`ShadowRows`).
 
     ``num_slots``: the engine's token slots (``num_blocks * block_size``); ``max_requests``: requests it
-    runs at once (vLLM's ``max_num_seqs``).
+    runs at once (vLLM's ``max_num_seqs``); ``extra``: positions further back each request's windows may reach
+    (speculative decoding's draft tokens: with as many, every step of at most ``extra + 1`` tokens a request is
+    granted as decode tokens by :meth:`plan`).
     """
 
-    def __init__(self, cfg: WindowPolicy, num_slots: int, max_requests: int, device) -> None:
+    def __init__(self, cfg: WindowPolicy, num_slots: int, max_requests: int, device, extra: int = 0) -> None:
         if not cfg.enabled:
             raise ValueError("a window pool needs sink + recent > 0")
         self.cfg = cfg
-        self.subpages = cfg.subpages_per_request * max_requests
+        self.subpages = cfg.subpages(extra) * max_requests
         self.trash = self.subpages * SUB  # the scratch row: writes to slots without a shadow land there
         keys = -(-num_slots // SUB)
         self._shadow_of = np.full(keys, -1, dtype=np.int64)  # sub-page -> shadow sub-page (host)
@@ -193,9 +195,10 @@ class WindowPool:
 class ShadowRows:
     """One layer's shadow rows ``[rows + 1, d_c + d_r]`` (the last: scratch), in the model's dtype."""
 
-    def __init__(self, cfg: WindowPolicy, max_requests: int, width: int, dtype: torch.dtype, device=None) -> None:
+    def __init__(self, cfg: WindowPolicy, max_requests: int, width: int, dtype: torch.dtype, device=None,
+                 extra: int = 0) -> None:  # fmt: skip
         self.cfg = cfg
-        self.rows = torch.zeros(cfg.shadow_rows(max_requests) + 1, width, dtype=dtype, device=device)
+        self.rows = torch.zeros(cfg.shadow_rows(max_requests, extra) + 1, width, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:

@@ -30,12 +30,13 @@ import logging
 from dataclasses import replace
 
 import torch
-from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder, QueryLenSupport
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.formats.records import RecordLayout
 from quantmla.serving.paged_decode import fused_decode, paged_decode
 from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry, served_layers_of
+from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
@@ -49,10 +50,24 @@ class QuantMLACPUMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, window_cfg=cfg, **kwargs)
 
 
+class QuantMLACPUDecodeRowsBuilder(QuantMLACPUMetadataBuilder):
+    """For the low-bit schemes (quantmla's own decode): a request adding at most
+    :data:`~quantmla.serving.vllm.short_extends.SHORT_EXTEND_TOKENS` tokens (a speculative-decoding step's
+    verification, a chunked prompt's last piece) attends as that many decode rows, each token at its own length's
+    exact policy, as one-token decode steps would read it."""
+
+    query_len_support = QueryLenSupport.VARLEN
+    reorder_batch_threshold = SHORT_EXTEND_TOKENS
+
+
 class QuantMLACPUBackend(CPUMLABackend):
     @staticmethod
     def get_builder_cls():
-        return CPUMLABackend.get_builder_cls() if current_selection() is None else QuantMLACPUMetadataBuilder
+        sel = current_selection()
+        if sel is None:
+            return CPUMLABackend.get_builder_cls()
+        # bf16 records may decode through vLLM's own CPU kernel (one query a request)
+        return QuantMLACPUMetadataBuilder if sel.scheme == "bf16" else QuantMLACPUDecodeRowsBuilder
 
     @classmethod
     def customize_spec(cls, spec):
@@ -125,13 +140,16 @@ class QuantMLACPUImpl(CPUMLAImpl):
         dtype = q_nope.dtype
         if layer is not None:  # the queries in the layer's stored space
             q_nope, q_pe = layer.queries(q_nope, q_pe)
+        table, lens = dec.block_table, dec.seq_lens
+        rows = getattr(attn_metadata, "decode_tokens", None)
+        if rows is not None:  # several tokens of a request among the decodes: one row a token, its causal length
+            log_once("quantmla plugin: decode steps of several tokens a request attend one row a token")
+            table, lens = attn_metadata.plans.decode_rows(rows, table, lens)
         if self.windows is None:
-            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, dec.seq_lens,
-                               self.scale)  # fmt: skip
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, table, lens, self.scale)
         else:
-            win, win_len, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, dec.block_table,
-                                                                       dec.seq_lens)  # fmt: skip
-            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, dec.block_table, n_paged, self.scale,
+            win, win_len, start, n_paged = self.windows.decode_window(step, kv_c_and_k_pe_cache, table, lens)
+            out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, table, n_paged, self.scale,
                                window=win, window_len=win_len, paged_start=start)  # fmt: skip
         return (out if layer is None else layer.output(out)).to(dtype), None
 

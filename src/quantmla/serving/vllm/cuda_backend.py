@@ -77,11 +77,11 @@ def _has_kernel(scheme: str) -> bool:
 
 
 class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's common MLA metadata (block table and lengths per decode request), decode one token per
-    request, plus the step's window plan; full CUDA graphs for decode when the scheme has a kernel (the
-    torch path syncs)."""
+    """vLLM's common MLA metadata (block table and lengths per decode request) plus the step's window plan; full
+    CUDA graphs for uniform decode batches (one token a request, or a speculative-decoding step's ``1 + k``: one
+    launch of that many query tokens a request) when the scheme has a kernel (the torch path syncs)."""
 
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     # short extends (a chunked prompt's last few tokens) attend as decode tokens, one kernel row each
     # (quantmla.serving.vllm.short_extends), as FLASH_ATTN_MLA sends them down its decode path
     query_len_support = QueryLenSupport.VARLEN
@@ -186,15 +186,19 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
         if self.layout is None:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-        from quantmla.kernels.decode import mla_decode
-
         q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         dec = attn_metadata.decode
         step = getattr(attn_metadata, "windows", None)
         if self.windows is not None and step is None:
             raise RuntimeError("quantmla windows: a decode step without a window plan")
         table, lens = dec.block_table, dec.seq_lens
+        uniform = getattr(attn_metadata, "decode_query_len", 0)
         rows = getattr(attn_metadata, "decode_tokens", None)
+        if self.kernel and uniform > 1:  # every decode request adds S tokens: one launch of S query tokens each
+            log_once("quantmla plugin: decode steps of several tokens a request (speculative decoding) attend in one"
+                     " launch of that many causal query tokens a request")  # fmt: skip
+            return self._kernel_decode(q_nope.unflatten(0, (-1, uniform)), q_pe.unflatten(0, (-1, uniform)),
+                                       kv_c_and_k_pe_cache, table, lens, step)  # fmt: skip
         if rows is not None:  # short extends among the decodes: one row a token
             log_once("quantmla plugin: short extends attend as decode tokens (one kernel row a token)")
             table, lens = attn_metadata.plans.decode_rows(rows, table, lens)
@@ -205,6 +209,19 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
                 win = dict(window=wrows, window_len=count, paged_start=start)
             out = paged_decode(q_nope, q_pe, kv_c_and_k_pe_cache, self.layout, table, n_paged, self.scale, **win)
             return out, None
+        return self._kernel_decode(q_nope, q_pe, kv_c_and_k_pe_cache, table, lens, step)
+
+    def _min_batch(self, requests: int, tokens: int) -> int | None:
+        """The fewest real requests a decode graph of ``requests`` requests of ``tokens`` tokens each replays (vLLM's
+        capture sizes count tokens)."""
+        lo = self.min_batches.get(requests * tokens)
+        return None if lo is None else max(1, -(-lo // tokens))
+
+    def _kernel_decode(self, q_nope, q_pe, kv_c_and_k_pe_cache, table, lens, step):
+        """The Triton decode over the pages in place: queries ``[B, H, d]`` or ``[B, S, H, d]`` (``S`` causal
+        query tokens a request, output ``[B * S, H, d_c]``)."""
+        from quantmla.kernels.decode import mla_decode
+
         key = kv_c_and_k_pe_cache.data_ptr()
         if self._pages is None or self._pages[0] != key:
             self._pages = (key, PagedLatentStore.from_pages(kv_c_and_k_pe_cache, self.layout))
@@ -214,7 +231,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
 
             cfg = self.windows.cfg
             shadow = ShadowWindow(self.windows.shadow.rows, step.pool.map, cfg.sink, cfg.recent)
-        return mla_decode(
+        o, lse = mla_decode(
             q_nope,
             q_pe,
             self._pages[1],
@@ -222,9 +239,12 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             lens.int(),
             self.scale,
             shadow=shadow,
-            min_batch=self.min_batches.get(table.shape[0]),
+            min_batch=self._min_batch(table.shape[0], q_nope.shape[1] if q_nope.dim() == 4 else 1),
             partial_dtype=self.partial_dtype,
         )
+        if o.dim() == 4:  # S query tokens a request: vLLM's token order (request-major)
+            return o.flatten(0, 1), lse.flatten(0, 1)
+        return o, lse
 
 
 def patch_kv_cache_spec() -> None:

@@ -50,6 +50,17 @@ class DecodeTokens:
         return table, lens
 
 
+def uniform_query_len(query_start_loc: np.ndarray, num_decodes: int) -> int:
+    """The tokens every decode request adds when they all add the same number (a speculative-decoding step: the
+    last token and the drafts), else 0 (host query offsets ``[>= num_decodes + 1]``). Such a step attends in one
+    launch of ``S`` query tokens a request (:func:`quantmla.kernels.decode.mla_decode`), its shapes fixed, as a CUDA
+    graph of vLLM's uniform batches replays it."""
+    if num_decodes == 0:
+        return 0
+    q = np.diff(np.asarray(query_start_loc[: num_decodes + 1], dtype=np.int64))
+    return int(q[0]) if (q == q[0]).all() else 0
+
+
 def decode_tokens(query_start_loc: np.ndarray, num_decodes: int, device) -> DecodeTokens | None:
     """The rows of the step's first ``num_decodes`` requests (host query offsets ``[>= num_decodes + 1]``), or
     ``None`` when none adds more than one token (a plain decode step: the tables as they are, CUDA graphs

@@ -25,7 +25,7 @@ from quantmla.formats.windows import WindowPolicy
 from quantmla.serving.vllm.host_tables import host_block_table, host_seq_lens
 from quantmla.serving.vllm.plugin_state import log_once
 from quantmla.serving.vllm.selection import Selection
-from quantmla.serving.vllm.short_extends import DecodeTokens, decode_tokens
+from quantmla.serving.vllm.short_extends import DecodeTokens, decode_tokens, uniform_query_len
 from quantmla.serving.vllm.step_plans import StepPlans
 from quantmla.serving.windows import ShadowRows, WindowPool
 
@@ -52,6 +52,7 @@ class WindowStep:
 class QuantMLAMetadata(MLACommonMetadata):
     windows: WindowStep | None = None
     decode_tokens: DecodeTokens | None = None  # short extends among the decodes (None: one token each)
+    decode_query_len: int = 0  # > 1: every decode request adds this many tokens (one launch of that many queries)
     plans: StepPlans | None = None  # what every layer reads of the step, made once (a new one a step)
 
 
@@ -71,7 +72,8 @@ class WindowPlanning:
             if blocks is None:
                 raise RuntimeError("quantmla windows: vLLM built the attention metadata before sizing its blocks")
             max_reqs = vllm_config.scheduler_config.max_num_seqs
-            self.window_pool = WindowPool(window_cfg, blocks * kv_cache_spec.block_size, max_reqs, device)
+            self.window_pool = WindowPool(window_cfg, blocks * kv_cache_spec.block_size, max_reqs, device,
+                                          extra=speculative_tokens(vllm_config))  # fmt: skip
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
@@ -100,7 +102,8 @@ class WindowPlanning:
         md = self._build_split_at(threshold, common_prefix_len, cm, fast_build)
         if pool is not None:
             md.windows = WindowStep(pool, cm.seq_lens[:n])
-        md.decode_tokens = decode_tokens(qsl, md.num_decodes, cm.seq_lens.device)
+        md.decode_query_len = uniform_query_len(qsl, md.num_decodes)  # the kernels' path: one launch of S tokens
+        md.decode_tokens = decode_tokens(qsl, md.num_decodes, cm.seq_lens.device)  # the others': a row a token
         md.plans = StepPlans()
         return md
 
@@ -113,6 +116,14 @@ class WindowPlanning:
             return super().build(common_prefix_len, cm, fast_build)
         finally:
             self.reorder_batch_threshold = default
+
+
+def speculative_tokens(vllm_config) -> int:
+    """Draft tokens a request verifies a step (0 without speculative decoding): the earlier query tokens of a
+    verification step read windows up to that many positions before the step's, so the window pool holds that
+    many more positions a request and every such step attends as decode tokens."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
 
 
 def current_window_step() -> WindowStep | None:
@@ -137,7 +148,7 @@ class LayerWindows:
         self.cfg, self.layout = cfg, layout
         max_reqs = vllm_config.scheduler_config.max_num_seqs
         width = layout.kv_lora_rank + layout.rope_dim
-        self.shadow = ShadowRows(cfg, max_reqs, width, dtype, device)
+        self.shadow = ShadowRows(cfg, max_reqs, width, dtype, device, extra=speculative_tokens(vllm_config))
         cache = vllm_config.cache_config
         budget = getattr(cache, "kv_cache_memory_bytes", None)
         if budget is not None:
