@@ -55,15 +55,15 @@ def test_causal_query_tokens_against_float64(bits, S):
     o, lse = mla_decode(q, qr, store, bt, n, scale, num_splits=3, out_dtype=torch.float32)
     assert o.shape == (len(lens), S, H, 128) and lse.shape == (len(lens), S, H)
     want_o, want_lse = float64_reference(q, qr, store, bt, n, scale)
-    tol = 1e-4 if bits == (16, 16) else 2e-3  # fp32 under the interpreter; fp16 queries for the low-bit kernel
+    # the interpreter computes in fp32 (the low-bit kernel's queries in fp16); the GPU in bf16 / fp16
+    tol = (2e-2 if bits == (16, 16) else 5e-3) if ON_GPU else (1e-4 if bits == (16, 16) else 2e-3)
     fin = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), fin)  # the empty sequence: -inf, nothing attended
     torch.testing.assert_close(lse.cpu().double()[fin], want_lse[fin], atol=tol * 10, rtol=0)
     torch.testing.assert_close(o.cpu().double()[fin], want_o[fin], atol=tol * 4, rtol=0)
-    whole, _ = mla_decode_reference(
-        q[:, -1:].expand(-1, S, -1, -1), qr[:, -1:].expand(-1, S, -1, -1), store, bt, n + S - 1, scale
-    )  # fmt: skip  (every token over the whole sequence)
-    assert (whole[:3, 0].cpu().double() - want_o[:3, 0]).abs().max() > 100 * tol  # causality is visible
+    err = (o.cpu().double()[:3, 0] - want_o[:3, 0]).abs().max()
+    whole, _ = mla_decode_reference(q[:, 0], qr[:, 0], store, bt, n, scale)  # token 0 over the whole sequence
+    assert (whole[:3].cpu().double() - want_o[:3, 0]).abs().max() > 10 * err  # causality is visible
 
 
 @pytest.mark.parametrize("bits", SCHEMES[1:], ids=["c4r4", "c2r4"])
