@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def teacher_forced_logprobs(model, scheme: str | None, prompts, tokens, chunk: int | None = None):
+def teacher_forced_logprobs(model, scheme: str | None, prompts, tokens, chunk: int | None = None, group_size: int = 64,
+                            hp_dtype=None):  # fmt: skip
     """Per request, the logprob of each of vLLM's ``tokens`` under quantmla's transformers path: the prompt
     through ``QuantizedLatentCache`` (its default windows, sink 4 + recent 128; in pieces of ``chunk`` tokens
     if given, as a chunked prefill feeds it), then the tokens one decode step at a time. ``scheme=None``:
@@ -23,7 +24,8 @@ def teacher_forced_logprobs(model, scheme: str | None, prompts, tokens, chunk: i
             if scheme is None:
                 lp = model(ids([p + t])).logits.float().log_softmax(-1)[0, len(p) - 1 : -1]
             else:
-                cache = QuantizedLatentCache(model.config, scheme=scheme, backend="torch")
+                cache = QuantizedLatentCache(model.config, scheme=scheme, group_size=group_size, backend="torch",
+                                             hp_dtype=hp_dtype)  # fmt: skip
                 step = chunk or len(p)
                 for i in range(0, len(p), step):
                     last = model(ids([p[i : i + step]]), past_key_values=cache, use_cache=True).logits[0, -1]

@@ -50,10 +50,16 @@ class WindowStep:
 
 @dataclass
 class QuantMLAMetadata(MLACommonMetadata):
+    """vLLM's MLA metadata with the step's windows and plans; any latent and RoPE widths (quantmla's decode reads
+    them all, where vLLM's common metadata checks for DeepSeek's 512 + 64)."""
+
     windows: WindowStep | None = None
     decode_tokens: DecodeTokens | None = None  # short extends among the decodes (None: one token each)
     decode_query_len: int = 0  # > 1: every decode request adds this many tokens (one launch of that many queries)
     plans: StepPlans | None = None  # what every layer reads of the step, made once (a new one a step)
+
+    def __post_init__(self) -> None:
+        pass  # (MLACommonMetadata's only check: a head size its kernels take)
 
 
 class WindowPlanning:
