@@ -133,7 +133,8 @@ class QuantMLACPUImpl(CPUMLAImpl):
         if self.layout is None:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        if self.layout.scheme == "bf16" and q_nope.dtype == torch.bfloat16 and self.kv_lora_rank + self.qk_rope_head_dim == 576:
+        deepseek_widths = self.kv_lora_rank + self.qk_rope_head_dim == 576  # what vLLM's CPU kernel takes
+        if self.layout.scheme == "bf16" and q_nope.dtype == torch.bfloat16 and deepseek_widths:
             # a BF16 record is vLLM's own token layout ([c | k^R] in BF16): its CPU decode kernel reads it
             cache = kv_c_and_k_pe_cache.view(torch.bfloat16)
             return super().forward_mqa((q_nope, q_pe), cache, attn_metadata, layer)

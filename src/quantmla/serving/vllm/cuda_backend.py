@@ -195,8 +195,9 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         uniform = getattr(attn_metadata, "decode_query_len", 0)
         rows = getattr(attn_metadata, "decode_tokens", None)
         if self.kernel and uniform > 1:  # every decode request adds S tokens: one launch of S query tokens each
-            log_once("quantmla plugin: decode steps of several tokens a request (speculative decoding) attend in one"
-                     " launch of that many causal query tokens a request")  # fmt: skip
+            log_once("quantmla plugin: decode steps whose requests all add the same several tokens (speculative"
+                     " decoding's verification, vLLM's warm-up) attend in one launch of that many causal query tokens"
+                     " a request")  # fmt: skip
             return self._kernel_decode(q_nope.unflatten(0, (-1, uniform)), q_pe.unflatten(0, (-1, uniform)),
                                        kv_c_and_k_pe_cache, table, lens, step)  # fmt: skip
         if rows is not None:  # short extends among the decodes: one row a token
