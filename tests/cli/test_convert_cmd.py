@@ -36,6 +36,8 @@ def test_convert_distils_and_writes_a_deepseek_directory(qwen3_dir, tmp_path):
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "DeepSeek export, distilled 3 steps" in res.output
+    flat = " ".join(res.output.split())  # (rich wraps at the terminal's width)
+    assert "no quantmla group size (16, 32, 64, 128) divides both the latent (16) and the RoPE key (4)" in flat
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["kv_lora_rank"] == 16 and config["qk_rope_head_dim"] == 4
     record = json.loads((out / "mlafication.json").read_text())

@@ -248,7 +248,7 @@ def test_a_converted_model_is_served_at_its_own_widths(tmp_path):
             "float32",
         ],
     )
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "quantmla scheme of group size 16" in " ".join(res.output.split()), res.output
     prompts = [[483, 1719, 9, 3781, 10] * 30, list(range(300, 500))]
     model, _ = quantmla.load(str(out), dtype="float32")
     quantmla.enable_latent_attention(model)

