@@ -8,7 +8,7 @@ from quantmla.serving.vllm.short_extends import decode_tokens, uniform_query_len
 
 def test_each_token_a_row_of_its_request_at_its_causal_length():
     qsl = np.array([0, 1, 4, 5, 7, 300])  # decodes of 1, 3, 1 and 2 tokens, then a prefill
-    rows = decode_tokens(qsl, 4, "cpu")
+    rows = decode_tokens(qsl, 4)
     assert rows.request.tolist() == [0, 1, 1, 1, 2, 3, 3]
     assert rows.back.tolist() == [0, 2, 1, 0, 0, 1, 0]
     table = torch.arange(4 * 3, dtype=torch.int32).reshape(4, 3)
@@ -19,13 +19,13 @@ def test_each_token_a_row_of_its_request_at_its_causal_length():
 
 
 def test_a_plain_decode_step_keeps_its_tables():
-    assert decode_tokens(np.array([0, 1, 2, 3, 40]), 3, "cpu") is None
-    assert decode_tokens(np.array([0, 90]), 0, "cpu") is None
+    assert decode_tokens(np.array([0, 1, 2, 3, 40]), 3) is None
+    assert decode_tokens(np.array([0, 90]), 0) is None
 
 
 def test_padding_requests_add_no_row():
-    assert decode_tokens(np.array([0, 1, 1, 1]), 3, "cpu") is None  # a padded CUDA graph batch
-    rows = decode_tokens(np.array([0, 2, 2, 3]), 3, "cpu")
+    assert decode_tokens(np.array([0, 1, 1, 1]), 3) is None  # a padded CUDA graph batch
+    rows = decode_tokens(np.array([0, 2, 2, 3]), 3)
     assert rows.request.tolist() == [0, 0, 2] and rows.back.tolist() == [1, 0, 0]
 
 

@@ -82,7 +82,7 @@ def test_a_step_plans_each_chunk_once_and_tells_chunks_apart(monkeypatch):
 
 
 def test_a_step_maps_its_decode_rows_once():
-    rows = decode_tokens(np.array([0, 1, 4, 6]), 3, "cpu")
+    rows = decode_tokens(np.array([0, 1, 4, 6]), 3)
     table = torch.arange(9, dtype=torch.int32).reshape(3, 3)
     lens = torch.tensor([10, 50, 7], dtype=torch.int32)
     plans = StepPlans()

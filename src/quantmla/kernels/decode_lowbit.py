@@ -136,7 +136,7 @@ def lowbit_kernel(
     total = tl.load(NPAGED + b)  # with shadows, the sequence's length
     w0 = tl.program_id(1) * WROWS  # a window program's first window position
     WX: tl.constexpr = WR + QT - 1  # the recent positions the window programs read: every row's own window
-    active = tl.where(split >= 0, p0 < p1, tl.minimum(tl.load(NPAGED + b), WS + WX) > w0)
+    active = tl.where(split >= 0, p0 < p1, tl.minimum(total, WS + WX) > w0)
     tl.store(NUSED + b, used, mask=(split == 0) & (hg == 0))  # the combine reads this many
     PW: tl.constexpr = DC // 8  # content plane width (channels)
     RPW: tl.constexpr = DR // 4  # RoPE plane width

@@ -35,18 +35,20 @@ SHORT_EXTEND_TOKENS = 16
 
 @dataclass(frozen=True)
 class DecodeTokens:
-    """The step's decode tokens as kernel rows: ``request [T]`` (int64, the decode request of each token)
-    and ``back [T]`` (int32, how many tokens of its request come after it in the step), so a row's length is
-    ``seq_lens[request] - back``."""
+    """The step's decode tokens as kernel rows, on the host: ``request [T]`` (int64, the decode request of each
+    token) and ``back [T]`` (int32, how many tokens of its request come after it in the step), so a row's length
+    is ``seq_lens[request] - back``. They reach the device only when a layer reads its rows (:meth:`rows`; a step
+    that attends in one launch of several query tokens a request never does)."""
 
-    request: torch.Tensor
-    back: torch.Tensor
+    request: np.ndarray
+    back: np.ndarray
 
     def rows(self, block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode requests' block table ``[num_decodes, pages]`` and lengths after the step ``[num_decodes]``
         as one row a token: ``[T, pages]`` and int32 ``[T]``."""
-        table = block_table.index_select(0, self.request)
-        lens = seq_lens.index_select(0, self.request).int() - self.back
+        request = host_to_device(self.request, block_table.device)
+        table = block_table.index_select(0, request)
+        lens = seq_lens.index_select(0, request).int() - host_to_device(self.back, seq_lens.device)
         return table, lens
 
 
@@ -61,7 +63,7 @@ def uniform_query_len(query_start_loc: np.ndarray, num_decodes: int) -> int:
     return int(q[0]) if (q == q[0]).all() else 0
 
 
-def decode_tokens(query_start_loc: np.ndarray, num_decodes: int, device) -> DecodeTokens | None:
+def decode_tokens(query_start_loc: np.ndarray, num_decodes: int) -> DecodeTokens | None:
     """The rows of the step's first ``num_decodes`` requests (host query offsets ``[>= num_decodes + 1]``), or
     ``None`` when none adds more than one token (a plain decode step: the tables as they are, CUDA graphs
     intact)."""
@@ -71,4 +73,4 @@ def decode_tokens(query_start_loc: np.ndarray, num_decodes: int, device) -> Deco
         return None
     req = np.repeat(np.arange(num_decodes), q)
     back = qsl[1:][req] - 1 - (qsl[0] + np.arange(req.size))
-    return DecodeTokens(host_to_device(req, device), host_to_device(back.astype(np.int32), device))
+    return DecodeTokens(req, back.astype(np.int32))

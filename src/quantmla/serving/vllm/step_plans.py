@@ -103,8 +103,8 @@ class StepPlans:
     def decode_rows(
         self, rows: DecodeTokens, block_table: torch.Tensor, seq_lens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows.rows(block_table, seq_lens)``, once a step."""
-        key = ("rows", *(_address(x) for x in (rows.request, rows.back, block_table, seq_lens)))
+        """``rows.rows(block_table, seq_lens)``, once a step (``rows`` lives one step: its identity is its key)."""
+        key = ("rows", id(rows), *(_address(x) for x in (block_table, seq_lens)))
         return self._get(key, lambda: rows.rows(block_table, seq_lens))
 
 

@@ -109,7 +109,7 @@ class WindowPlanning:
         if pool is not None:
             md.windows = WindowStep(pool, cm.seq_lens[:n])
         md.decode_query_len = uniform_query_len(qsl, md.num_decodes)  # the kernels' path: one launch of S tokens
-        md.decode_tokens = decode_tokens(qsl, md.num_decodes, cm.seq_lens.device)  # the others': a row a token
+        md.decode_tokens = decode_tokens(qsl, md.num_decodes)  # the others' (host; uploaded when read): a row a token
         md.plans = StepPlans()
         return md
 
