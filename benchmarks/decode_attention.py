@@ -238,10 +238,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--queries", default="1", help="query tokens a sequence (speculative decoding: 1 + drafts)")
+    ap.add_argument("--kernels", default="auto", help="page kernels to time for the low-bit schemes: auto,sm90,triton")
     ap.add_argument("--flashmla-lib", default=None, help="folder with FlashMLA's .so files from vLLM's wheel")
     ap.add_argument("--no-flashmla", action="store_true", help="skip FlashMLA (not timed in this run)")
     ap.add_argument("--torch-max-tokens", type=int, default=32 * 65536, help="skip the torch reference above B*L")
     args = ap.parse_args()
+    kernels = args.kernels.split(",")
+    from quantmla.kernels.decode import mla_decode
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     tuned = {}
     if args.sweep:
@@ -272,8 +276,8 @@ def main() -> None:
             except RuntimeError as e:  # said, not hidden: the FP8 column stays empty
                 print(f"vLLM FP8 kernel at h={h} B={B} L={L}: {str(e).splitlines()[0][:200]}", flush=True)
         base = None
-        for scheme in SCHEMES:
-            kw = dict(tuned.get(f"{h}/{scheme}", {}))
+        for scheme, kern in [(s, k) for s in SCHEMES for k in (["triton"] if s == "bf16" else kernels)]:
+            kw = dict(tuned.get(f"{h}/{scheme}", {}), kernel=kern)
             if "split_mul" in kw:
                 kw["num_splits"] = splits_for(kw.pop("split_mul"), B, h, math.ceil(L / PAGE))
             us, eager_us, t_us, nbytes = run_row(h, B, L, scheme, gen, kw, B * L <= args.torch_max_tokens, sq)
@@ -284,6 +288,7 @@ def main() -> None:
                 L=L,
                 s_q=sq,
                 scheme=scheme,
+                kernel=mla_decode.last_backend,
                 us=us,
                 eager_us=eager_us,
                 gbs=nbytes / us / 1e3,
@@ -308,9 +313,9 @@ def main() -> None:
         f"({fm_src or 'not run'}) replayed from a CUDA graph in the same process; MHz: median SM clock while timed "
         "(ours / FlashMLA's).",
         "",
-        "| h | B | L | q | scheme | µs | eager µs | GB/s | % copy BW | TFLOP/s | vs our BF16 | vs torch ref |"
+        "| h | B | L | q | scheme | kernel | µs | eager µs | GB/s | % copy BW | TFLOP/s | vs our BF16 | vs torch ref |"
         " FlashMLA BF16 µs | vs FlashMLA | vLLM FP8 µs | MHz |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
 
@@ -318,7 +323,7 @@ def main() -> None:
             return "-" if x is None else format(x, fmt)
 
         lines.append(
-            f"| {r['h']} | {r['B']} | {r['L'] // 1024}K | {r['s_q']} | {r['scheme']} | {r['us']:.1f} | "
+            f"| {r['h']} | {r['B']} | {r['L'] // 1024}K | {r['s_q']} | {r['scheme']} | {r['kernel']} | {r['us']:.1f} | "
             f"{r['eager_us']:.1f} | "
             f"{r['gbs']:.0f} | "
             f"{r['pct_copy']:.0f}% | {r['tflops']:.1f} | {r['vs_bf16']:.2f}x | {f(r['vs_torch'], '.1f')}x | "

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: entry points: the facade, ``python -m quantmla``, the console script, the vLLM plugin
 ENTRY = ("quantmla", "quantmla.__main__", "quantmla.cli.main", "quantmla.serving.vllm")
-PROTOTYPE = re.compile(r"hopper|fragment|folded|kernel_v3|\.cuh?$")
+PROTOTYPE = re.compile(r"fragment|folded|kernel_v3|probe|prototype")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,12 @@ def test_no_prototype_in_the_wheel(wheel):
     names = [n for n in wheel.namelist() if not n.startswith("quantmla-")]
     assert names and all(n.startswith("quantmla/") for n in names), names[:5]
     assert not [n for n in names if PROTOTYPE.search(n)]
+    from quantmla.kernels.hopper.build import HEADERS, SOURCES
+
+    native = {n for n in names if n.endswith((".cu", ".cuh", ".h", ".cpp"))}  # only sources a build step compiles
+    assert native == {"quantmla/kernels/cpu/paged_decode.cpp"} | {
+        f"quantmla/kernels/hopper/csrc/{f}" for f in (*SOURCES, *HEADERS)
+    }, native
 
 
 def _module_of(name: str) -> str:

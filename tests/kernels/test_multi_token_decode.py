@@ -8,30 +8,10 @@ import torch
 from quantmla.kernels import mla_decode_reference
 
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
-from decode_cases import SCHEMES, make_case  # noqa: E402
+from decode_cases import SCHEMES, float64_decode, make_case  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 from quantmla.kernels.decode import mla_decode  # noqa: E402
-
-
-def float64_reference(q4, qr4, store, bt, n, scale):
-    """Token ``t`` of ``S`` over the first ``n - S + 1 + t`` stored tokens, in float64."""
-    from quantmla.kernels.reference import gather_tokens
-
-    B, S, H, _ = q4.shape
-    o = torch.zeros(B, S, H, q4.shape[-1], dtype=torch.float64)
-    lse = torch.full((B, S, H), float("-inf"), dtype=torch.float64)
-    for b in range(B):
-        for t in range(S):
-            m = int(n[b]) - (S - 1 - t)
-            if m <= 0:
-                continue
-            c, r = gather_tokens(store, bt, m, b)
-            c, r = c.double().cpu(), r.double().cpu()
-            s = (q4[b, t].double().cpu() @ c.T + qr4[b, t].double().cpu() @ r.T) * scale
-            lse[b, t] = torch.logsumexp(s, -1)
-            o[b, t] = torch.softmax(s, -1) @ c
-    return o, lse
 
 
 def queries(B, S, H, dc, seed):
@@ -54,7 +34,7 @@ def test_causal_query_tokens_against_float64(bits, S):
     q, qr = queries(len(lens), S, H, store.layout.kv_lora_rank, seed=S)
     o, lse = mla_decode(q, qr, store, bt, n, scale, num_splits=3, out_dtype=torch.float32)
     assert o.shape == (len(lens), S, H, 128) and lse.shape == (len(lens), S, H)
-    want_o, want_lse = float64_reference(q, qr, store, bt, n, scale)
+    want_o, want_lse = float64_decode(q, qr, store, bt, n, scale)
     # the interpreter computes in fp32 (the low-bit kernel's queries in fp16); the GPU in bf16 / fp16
     tol = (2e-2 if bits == (16, 16) else 5e-3) if ON_GPU else (1e-4 if bits == (16, 16) else 2e-3)
     fin = torch.isfinite(want_lse)

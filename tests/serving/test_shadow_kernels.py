@@ -2,54 +2,24 @@
 and the decode kernel reading the window rows in place equals the torch path and a float64 reference of
 the policy (CPU: Triton's interpreter)."""
 
-import numpy as np
 import pytest
 import torch
 
+from decode_cases import shadow_engine
 from quantmla.formats.records import RecordLayout
 from quantmla.formats.windows import SUB, WindowPolicy
 from quantmla.kernels.decode import ShadowWindow, mla_decode
 from quantmla.kernels.layout import PagedLatentStore
-from quantmla.kernels.write import write_records
 from quantmla.serving.paged_decode import paged_decode
-from quantmla.serving.windows import ShadowRows, WindowPool
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DC, DR, BS, H = 128, 64, 32, 16
 LENS = (150, 40, 7)
 
 
-def _engine(scheme: str, cfg: WindowPolicy, seed: int = 0, last: int = 1):
-    """Three requests written in two steps (prompt, then ``last`` tokens each, planned as decode tokens) by the
-    fused write with shadows."""
-    g = torch.Generator().manual_seed(seed)
-    lay = RecordLayout(scheme, DC, DR, 64)
-    nb = 24
-    pages = torch.zeros(nb, BS, lay.record_bytes, dtype=torch.uint8, device=DEV)
-    pool = WindowPool(cfg, nb * BS, len(LENS), DEV)
-    shadow = ShadowRows(cfg, len(LENS), DC + DR, torch.bfloat16, DEV)
-    ref = ShadowRows(cfg, len(LENS), DC + DR, torch.bfloat16, DEV)  # the torch write, for comparison
-    maxp = -(-max(LENS) // BS)
-    table = torch.randperm(nb - 1, generator=g)[: len(LENS) * maxp].add(1).view(len(LENS), maxp).int().to(DEV)
-    tokens = [(torch.randn(n, DC + DR, generator=g) * 2).bfloat16().to(DEV) for n in LENS]
-    for step, grow in enumerate(([n - last for n in LENS], [last] * len(LENS))):
-        done = [len(t) - k for t, k in zip(tokens, grow, strict=True)] if step else [0] * len(LENS)
-        seq = np.array([d + k for d, k in zip(done, grow, strict=True)])
-        short = np.ones(len(LENS), dtype=bool) if step else None
-        granted = pool.plan(table.cpu().numpy(), seq, np.array(grow), BS, short=short)
-        assert granted.all() or not step  # the step's tokens attend as decode tokens (the prompts as prefills)
-        pos = torch.cat([torch.arange(d, d + k) for d, k in zip(done, grow, strict=True)]).to(DEV)
-        req = torch.cat([torch.full((k,), i) for i, k in enumerate(grow)]).to(DEV)
-        slots = table[req, pos // BS].long() * BS + pos % BS
-        x = torch.stack([tokens[i][p] for i, p in zip(req.tolist(), pos.tolist(), strict=True)])
-        write_records(lay, pages, slots, x[:, :DC], x[:, DC:], shadow_rows=shadow.rows, shadow_map=pool.map)
-        ref.write(pool, slots, x[:, :DC], x[:, DC:])
-    return lay, pages, pool, shadow, ref, table, tokens
-
-
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4"])
 def test_the_fused_write_fills_the_shadow_rows_as_the_torch_write(scheme):
-    _, _, pool, shadow, ref, _, _ = _engine(scheme, WindowPolicy(4, 48))
+    _, _, pool, shadow, ref, _, _ = shadow_engine(scheme, WindowPolicy(4, 48))
     used = pool.map[pool.map >= 0].long()
     rows = (used[:, None] * SUB + torch.arange(SUB, device=DEV)).flatten()
     assert rows.numel() > 0 and torch.equal(shadow.rows[rows], ref.rows[rows])
@@ -62,7 +32,7 @@ def test_decode_reads_the_window_rows_in_place(scheme, sink, recent, wsplits):
     (52 rows in 16-row tiles: one program of 4 tiles, 2 of 2, 4 of 1; 33 rows: 3 tiles, one or two a
     program)."""
     cfg = WindowPolicy(sink, recent)
-    lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg)
+    lay, pages, pool, shadow, _, table, tokens = shadow_engine(scheme, cfg)
     g = torch.Generator().manual_seed(1)
     q = (torch.randn(len(LENS), H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
     seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)
@@ -107,7 +77,7 @@ def test_query_tokens_read_their_own_windows(scheme, sink, recent, S):
     length ``n - S + 1 + t`` (its own last ``recent`` tokens unquantised, up to ``S - 1`` positions before the
     step's window), in one launch; lengths 150 (pages and windows), 40 (all window for some tokens) and 7."""
     cfg = WindowPolicy(sink, recent)
-    lay, pages, pool, shadow, _, table, tokens = _engine(scheme, cfg, last=S)
+    lay, pages, pool, shadow, _, table, tokens = shadow_engine(scheme, cfg, last=S)
     g = torch.Generator().manual_seed(2)
     q = (torch.randn(len(LENS), S, H, DC + DR, generator=g) / 4).bfloat16().to(DEV)
     seq = torch.tensor(LENS, dtype=torch.int32, device=DEV)

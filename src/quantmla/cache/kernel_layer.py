@@ -46,6 +46,7 @@ class KernelLatentLayer(QuantizedLatentLayer):
             raise ValueError(f"the triton backend needs a bfloat16 model, got activations in {key_states.dtype}")
         self.layout = kernel_layout(self.cfg)
         self.kernel_step = False
+        self.page_kernel = "triton"  # which kernel read the pages at the last decode step (mla_decode's choice)
         super().lazy_initialization(key_states, value_states)
 
     def _split(self, total: int) -> tuple[int, int]:
@@ -172,6 +173,7 @@ class KernelLatentLayer(QuantizedLatentLayer):
             torch.full((self.batch,), self.n_mid, dtype=torch.int32, device=self.device), scale, win, win_len,
             paged_start=paged_start, window_skip=window_skip,
         )  # fmt: skip
+        self.page_kernel = mla_decode.last_backend
         out = torch.einsum("bhc,hvc->bhv", o_lat, w_uv.to(o_lat.dtype))
         if bad is not None:  # a mask the kernel could not apply: NaN, never a silently different result
             out = torch.where(bad[:, None, None], torch.full_like(out, float("nan")), out)

@@ -401,11 +401,13 @@ class QuantizedLatentCache(Cache):
         return "triton", f"triton kernel ({where})"
 
     def backends_used(self) -> list[str]:
-        """Per layer, which path served it (``torch`` or ``triton``; ``-`` before the first update)."""
+        """Per layer, which path served it: ``torch``, or for the kernel path the kernel that read its pages at
+        its last decode step (``triton``, or ``sm90``: :mod:`quantmla.kernels.hopper`); ``-`` before the first
+        update."""
         from quantmla.cache.kernel_layer import KernelLatentLayer
 
         return [
-            "-" if not lyr.is_initialized else ("triton" if isinstance(lyr, KernelLatentLayer) else "torch")
+            "-" if not lyr.is_initialized else (lyr.page_kernel if isinstance(lyr, KernelLatentLayer) else "torch")
             for lyr in self.layers
         ]
 

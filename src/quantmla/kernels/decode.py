@@ -23,6 +23,7 @@ This module holds the BF16 paged kernel, the window kernel, the combine pass and
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from quantmla.formats.windows import SUB
-from quantmla.kernels.layout import PagedLatentStore
+from quantmla.kernels.layout import PagedLatentStore, PagedLayout
 from quantmla.kernels.splits import (
     MAX_SPLITS,
     PLAN_BLOCK,
@@ -351,6 +352,7 @@ WINDOW_BLOCK_T = 16
 COMBINE_BLOCK_D = 64  # channels per combine program: B * H * DC / 64 programs
 COMBINE_CHUNK = 32  # splits per combine step: fewer dependent steps (docs/notebook.md, "used splits"); a warp per 32
 PARTIAL_DTYPES = (torch.float32, torch.float16)  # the split partials' dtypes :func:`mla_decode` takes
+logger = logging.getLogger(__name__)
 NUM_WARPS = (4, 8)  # the launches tested (16 warps faulted at 128 heads on H100: decode_attention.py --sweep)
 
 
@@ -395,6 +397,44 @@ def default_launch(block_h: int, content_bits: int) -> dict:
     return dict(block_t=64, num_warps=4 if block_h <= 16 else 8, num_stages=3 if block_h <= 16 else 2, maxnreg=None)
 
 
+KERNELS = ("auto", "sm90", "triton")  # the page kernels :func:`mla_decode` takes
+
+
+@functools.cache
+def _say_once(level: int, message: str) -> None:
+    logger.log(level, message)
+
+
+def _page_backend(kernel: str, layout: PagedLayout, rows: int, device: torch.device, interpret: bool) -> str:
+    """The kernel that reads the pages: ``"sm90"`` or ``"triton"`` (see :func:`mla_decode`'s ``kernel``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; valid: {', '.join(KERNELS)}")
+    if kernel == "triton":
+        return "triton"
+    from quantmla.kernels.hopper import HopperUnavailable, extension, unsupported
+
+    why = unsupported(layout, rows, device, False)
+    if why is None and interpret:
+        why = "the Triton interpreter (TRITON_INTERPRET=1)"
+    toolchain = None
+    if why is None:
+        toolchain = unsupported(layout, rows, device)
+        if toolchain is None:
+            try:
+                extension()
+            except HopperUnavailable as e:
+                toolchain = str(e)
+    if why is None and toolchain is None:
+        _say_once(logging.INFO, f"mla_decode: the sm_90a kernel reads {layout.scheme} pages ({rows} query rows)")
+        return "sm90"
+    if kernel == "sm90":
+        raise ValueError(f"kernel='sm90' cannot serve this call: {why or toolchain}")
+    if toolchain is not None:
+        _say_once(logging.WARNING, f"mla_decode: the sm_90a kernel is not available ({toolchain}); the Triton kernel"
+                  f" reads the pages instead (same arithmetic, slower at >= 64 query rows)")  # fmt: skip
+    return "triton"
+
+
 def mla_decode(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -417,6 +457,7 @@ def mla_decode(
     min_batch: int | None = None,
     window_splits: int | None = None,
     partial_dtype: torch.dtype = torch.float32,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged (low-bit or BF16) latent cache: one query token a sequence, or ``S`` (a
     speculative-decoding step's verified tokens: the sequence's last ``S``, causal among them).
@@ -450,8 +491,13 @@ def mla_decode(
             already, so no new range limit), which halves that traffic (at 48 x 4K, written and read back, about
             as many bytes as the records the splits read) and rounds each partial once. Log-sum-exps stay
             float32. (``bfloat16`` partials were tried: their rounding exceeds the kernel's own error.)
-        block_t, block_h, num_warps, num_stages, maxnreg: launch parameters; ``None`` takes
+        block_t, block_h, num_warps, num_stages, maxnreg: launch parameters of the Triton kernels; ``None`` takes
             :func:`default_launch` (tuned on H200); ``maxnreg=0`` lifts the default register cap.
+        kernel: which kernel reads the pages: ``"sm90"`` (:mod:`quantmla.kernels.hopper`: a low-bit store with
+            INT4 RoPE in groups of 64 at 512 + 64 channels, at least 64 query rows a sequence, an sm_90 GPU;
+            anything else is refused with the reason), ``"triton"``, or ``"auto"`` (the default): ``sm90`` where it
+            serves, else Triton, with a one-time warning when only this machine's toolchain stands in the way.
+            ``mla_decode.last_backend`` says which ran.
     Returns:
         ``o_lat [B, H, d_c]`` (``out_dtype``) and ``lse [B, H]`` float32 (natural log of the sum of
         exponentiated scaled scores).
@@ -508,6 +554,7 @@ def mla_decode(
     if maxnreg is not None and maxnreg != 0 and not 64 <= maxnreg <= 255:
         raise ValueError(f"maxnreg={maxnreg}: a register cap must be 64..255, 0 (no cap) or None (the default)")
     R = S * H  # query rows a sequence
+    backend = _page_backend(kernel, lay, R, dev, interpret=os.environ.get("TRITON_INTERPRET") == "1")
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(R)))
     hg = triton.cdiv(R, block_h)
@@ -546,7 +593,23 @@ def mla_decode(
     common = (block_table, n_paged, paged_start, op, lp, used, H, maxp, ns, nsp, scale_log2)
     qs = (q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
     planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
-    if lay.quantized:
+    if backend == "sm90":  # the pages on the Hopper kernel; the window programs (if any) on Triton's
+        from quantmla.kernels.decode_lowbit import lowbit_kernel
+        from quantmla.kernels.hopper import page_splits
+
+        page_splits(q_lat, q_pe, store, block_table, n_paged, paged_start, op, lp, used, ns, ws, wr, plan,
+                    sm_count(dev), MAX_SPLITS, scale_log2)  # fmt: skip
+        launched = None
+        if wspl:
+            views = store.kernel_views()
+            launched = lowbit_kernel[(B, wspl, hg)](
+                q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
+                DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
+                CBITS=lay.content_bits, ASM_OK=True, DT=tl.float16, WS=ws, WR=wr, SUB=sub, WBLOCK_T=WINDOW_BLOCK_T,
+                WSPL=wspl, WROWS=wrows, **planning, QT=S, num_warps=num_warps, **stages, **paged_regs,
+            )  # fmt: skip
+        kernel = launched
+    elif lay.quantized:
         from quantmla.kernels.decode_lowbit import lowbit_kernel
 
         views = store.kernel_views()
@@ -563,7 +626,8 @@ def mla_decode(
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning, QT=S,
             num_warps=num_warps, **stages, **paged_regs,
         )  # fmt: skip
-    mla_decode.last_kernel = kernel  # the compiled kernel (registers, spills), for benchmarks
+    mla_decode.last_kernel = kernel  # the compiled Triton kernel (registers, spills), for benchmarks
+    mla_decode.last_backend = backend
     if window is not None:
         window = window.contiguous()
         _window_kernel[(B, 1, hg)](

@@ -243,6 +243,9 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             min_batch=self._min_batch(table.shape[0], q_nope.shape[1] if q_nope.dim() == 4 else 1),
             partial_dtype=self.partial_dtype,
         )
+        rows = q_nope.shape[-2] * (q_nope.shape[1] if q_nope.dim() == 4 else 1)
+        which = "sm_90a (quantmla.kernels.hopper)" if mla_decode.last_backend == "sm90" else "Triton"
+        log_once("quantmla plugin: decode pages read by the %s kernel at %d query rows a request", which, rows)
         if o.dim() == 4:  # S query tokens a request: vLLM's token order (request-major)
             return o.flatten(0, 1), lse.flatten(0, 1)
         return o, lse
