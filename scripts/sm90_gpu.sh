@@ -27,6 +27,22 @@ if [ "$rc" != 0 ] && [ -n "${PROBE_SWAP:-}" ]; then  # diagnosis: the N-major V 
 fi
 timeout 400 python benchmarks/decode_attention.py --flashmla-lib "${FLASHMLA_LIB:-.data/flashmla}" \
   --json "$OUT/sm90.json" --out "$OUT/sm90.md" "$@" 2>&1 | grep -v '^{' | tail -40
+if [ -n "${SPLITS:-}" ]; then  # the sm_90a kernel at other split counts (h=128, B=32, 64K, C4R4)
+  python - "$SPLITS" <<'PY'
+import sys, torch, triton.testing
+sys.path.insert(0, "benchmarks")
+from decode_attention import random_store
+from quantmla.kernels.decode import mla_decode
+g = torch.Generator(device="cuda").manual_seed(0)
+store, bt, n = random_store("c4r4", 32, 65536, g)
+q = torch.randn(32, 128, 512, device="cuda", generator=g).bfloat16()
+qr = torch.randn(32, 128, 64, device="cuda", generator=g).bfloat16()
+for ns in [None] + [int(x) for x in sys.argv[1].split(",")]:
+    f = lambda: mla_decode(q, qr, store, bt, n, 0.07, kernel="sm90", num_splits=ns)
+    us = triton.testing.do_bench(f, warmup=20, rep=100, return_mode="median") * 1e3
+    print(f"sm90 c4r4 h=128 B=32 64K splits={ns or 'plan'}: {us:.1f} us (eager)", flush=True)
+PY
+fi
 if [ -n "${NCU:-}" ]; then  # Nsight Compute's view of one sm_90a launch at h=128, B=32, 64K (C4R4)
   cat > /tmp/one.py <<'PY'
 import sys, torch
