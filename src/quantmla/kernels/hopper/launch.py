@@ -14,7 +14,9 @@ SM90_ROWS = 64  # query rows a CTA (heads x query tokens of one sequence)
 
 def unsupported(layout: PagedLayout, rows: int, device: torch.device, check_machine: bool = True) -> str | None:
     """Why the sm_90a kernel does not serve this cache and query shape (``None``: it does). ``rows``: query
-    rows a sequence (heads x query tokens). ``check_machine``: also whether this machine can build and run it."""
+    rows a sequence (heads x query tokens). Without ``check_machine`` the GPU's architecture is checked (a GPU
+    that is not sm_90 is a reason, not a missing piece); with it also nvcc and ninja, whether this machine can build
+    the kernel."""
     if not layout.quantized:
         return "a BF16 store (the sm_90a kernel reads low-bit pages)"
     if (layout.kv_lora_rank, layout.rope_dim) != (512, 64):
@@ -25,7 +27,12 @@ def unsupported(layout: PagedLayout, rows: int, device: torch.device, check_mach
         return f"{rows} query rows a sequence (the sm_90a kernel runs {SM90_ROWS} a CTA; fewer run on Triton)"
     if device.type != "cuda":
         return f"a {device.type} tensor"
-    return missing(device) if check_machine else None
+    if check_machine:
+        return missing(device)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"an sm_{major}{minor} GPU (the kernel is built for sm_90)"
+    return None
 
 
 def page_splits(q_lat, q_pe, store, block_table, n_paged, paged_start, op, lp, used, num_splits: int, sink: int,
