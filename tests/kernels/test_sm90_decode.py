@@ -9,7 +9,7 @@ import torch
 from decode_cases import float64_decode, make_case, shadow_engine
 from quantmla.formats.windows import WindowPolicy
 from quantmla.kernels import PagedLatentStore, PagedLayout
-from quantmla.kernels.hopper import unsupported
+from quantmla.kernels.hopper import query_reason, unsupported
 
 pytest.importorskip("triton", reason="triton is an optional dependency (pip install 'quantmla[triton]')")
 from quantmla.kernels.decode import ShadowWindow, mla_decode  # noqa: E402
@@ -131,3 +131,12 @@ def test_mla_decode_refuses_sm90_where_it_cannot_serve():
         mla_decode(q, qr, store, bt, n, 0.1, kernel="sm90")
     with pytest.raises(ValueError, match="kernel='fast'; valid: auto, sm90, triton"):
         mla_decode(q, qr, store, bt, n, 0.1, kernel="fast")
+
+
+def test_queries_the_sm90_kernel_reads_in_place():
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    assert query_reason(q[..., :512], q[..., 512:]) is None  # one [c | k^R] query tensor, sliced
+    assert "q_lat rows not 16-byte" in query_reason(q[..., 1:513], q[..., 512:])
+    assert "q_pe rows not 4-byte" in query_reason(q[..., :512], q[..., 511:575])
+    wide = torch.zeros(2, 1, 16, 1024, dtype=torch.bfloat16)
+    assert "contiguous channels" in query_reason(wide[..., ::2], q[..., 512:])

@@ -555,6 +555,15 @@ def mla_decode(
         raise ValueError(f"maxnreg={maxnreg}: a register cap must be 64..255, 0 (no cap) or None (the default)")
     R = S * H  # query rows a sequence
     backend = _page_backend(kernel, lay, R, dev, interpret=os.environ.get("TRITON_INTERPRET") == "1")
+    if backend == "sm90":
+        from quantmla.kernels.hopper import query_reason
+
+        why = query_reason(q_lat, q_pe)
+        if why is not None and kernel == "sm90":
+            raise ValueError(f"kernel='sm90' cannot serve this call: {why}")
+        if why is not None:  # the same arithmetic on Triton, which reads any strides
+            _say_once(logging.INFO, f"mla_decode: the Triton kernel reads the pages ({why})")
+            backend = "triton"
     if block_h is None:
         block_h = min(64, max(16, triton.next_power_of_2(R)))
     hg = triton.cdiv(R, block_h)

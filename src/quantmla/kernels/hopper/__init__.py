@@ -5,6 +5,6 @@ for :func:`quantmla.kernels.decode.mla_decode`. Its shared-memory arithmetic is 
 (``tests/kernels/sm90_tile.py``)."""
 
 from quantmla.kernels.hopper.build import HopperUnavailable, extension, missing
-from quantmla.kernels.hopper.launch import SM90_ROWS, page_splits, unsupported
+from quantmla.kernels.hopper.launch import SM90_ROWS, page_splits, query_reason, unsupported
 
-__all__ = ["SM90_ROWS", "HopperUnavailable", "extension", "missing", "page_splits", "unsupported"]
+__all__ = ["SM90_ROWS", "HopperUnavailable", "extension", "missing", "page_splits", "query_reason", "unsupported"]

@@ -35,6 +35,15 @@ def unsupported(layout: PagedLayout, rows: int, device: torch.device, check_mach
     return None
 
 
+def query_reason(q_lat: torch.Tensor, q_pe: torch.Tensor) -> str | None:
+    """Why the kernel cannot read these queries (``[B, S, H, d]``) in place (``None``: it can): it loads ``q_lat``
+    rows 16 bytes and ``q_pe`` 4 bytes at a time, so the channels must be contiguous and the rows so aligned."""
+    for name, t, elems in (("q_lat", q_lat, 8), ("q_pe", q_pe, 2)):
+        if t.stride(-1) != 1 or any(st % elems for st in t.stride()[:-1]) or t.data_ptr() % (2 * elems):
+            return f"{name} rows not {2 * elems}-byte aligned with contiguous channels (strides {tuple(t.stride())})"
+    return None
+
+
 def page_splits(q_lat, q_pe, store, block_table, n_paged, paged_start, op, lp, used, num_splits: int, sink: int,
                 recent: int, plan: bool, sms: int, max_splits: int, scale_log2: float) -> None:  # fmt: skip
     """Splits ``0 .. num_splits - 1`` of every sequence into ``op [B, nsp, S * H, 512]`` / ``lp``, and the used
