@@ -36,11 +36,22 @@ V2_LITE = dict(
 )  # fmt: skip
 
 
-def dummy_model_dir(out: Path) -> str:
-    """A model directory with DeepSeek-V2-Lite's config only (weights: vLLM's ``load_format="dummy"``)."""
-    d = out / "deepseek-v2-lite-dummy"
+#: the config-only models (dummy weights): name -> attention heads. V2-Lite's heads are DeepSeek-V3's attention
+#: width (latent 512 + 64, 128 + 64 query and 128 value channels a head); 128 of them on one GPU is V3/R1 with
+#: data-parallel attention, the decode shape of quantmla.kernels.hopper
+DUMMY_MODELS = {"deepseek-v2-lite-dummy": 16, "deepseek-v3-width-128h-dummy": 128}
+
+
+def dummy_model_dir(out: Path, name: str = "deepseek-v2-lite-dummy") -> str:
+    """A model directory with DeepSeek-V2-Lite's config only (weights: vLLM's ``load_format="dummy"``), with the
+    attention heads of ``name`` (:data:`DUMMY_MODELS`)."""
+    if name not in DUMMY_MODELS:
+        raise ValueError(f"dummy model {name!r}; valid: {', '.join(DUMMY_MODELS)}")
+    d = out / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(V2_LITE, indent=1))
+    heads = DUMMY_MODELS[name]
+    (d / "config.json").write_text(json.dumps(V2_LITE | dict(num_attention_heads=heads, num_key_value_heads=heads),
+                                              indent=1))  # fmt: skip
     return str(d)
 
 
@@ -325,7 +336,8 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="builtin:tiny-mla-576",
-        help="a model path, builtin:NAME, or deepseek-v2-lite-dummy (config only, dummy weights)",
+        help="a model path, builtin:NAME, or a config-only model with dummy weights: deepseek-v2-lite-dummy (16 heads)"
+        " or deepseek-v3-width-128h-dummy (128 heads, V3's data-parallel attention shape)",
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--schemes", default="bf16-vllm,c4r4,c2r4", help="bf16-vllm, fp8-vllm (vLLM's own), or quantmla's")
@@ -369,7 +381,7 @@ def main() -> None:
     import torch
 
     args.gpu = torch.cuda.is_available()
-    args.dummy = args.model == "deepseek-v2-lite-dummy"
+    args.dummy = args.model in DUMMY_MODELS
     args.out.mkdir(parents=True, exist_ok=True)
     old = json.loads(path.read_text()) if args.append and path.exists() else {}
     rows, steps = old.get("rows", []), old.get("decode_step", [])
@@ -380,7 +392,7 @@ def main() -> None:
 
     if not args.decode_only:
         if args.dummy:
-            model = dummy_model_dir(args.out)
+            model = dummy_model_dir(args.out, args.model)
         else:
             from quantmla.models.loading import resolve_model_path
 

@@ -12,7 +12,8 @@
 #                                              and test_vllm_gpu_fp8_export.py (FP8 V3-config exports in vLLM)
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #                                              (DECODE_CASES: requests x context, comma list)
-#   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights),
+#   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights;
+#                                              MODEL=deepseek-v3-width-128h-dummy: 128 heads, V3's DP-attention shape),
 #                                              each workload (WORKLOADS) its own engine of max_num_seqs = its requests
 #                                              rounded up to a multiple of 8
 #                                              (SEQS=N: one engine of N), windows WINDOWS (default 4,128),
@@ -59,7 +60,7 @@ decode)
   python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20 \
     ${DECODE_CASES:+--decode-cases "$DECODE_CASES"};;
 pressure)
-  python benchmarks/serving_pressure.py --out "$out" --append --model deepseek-v2-lite-dummy --schemes "$2" \
+  python benchmarks/serving_pressure.py --out "$out" --append --model "${MODEL:-deepseek-v2-lite-dummy}" --schemes "$2" \
     --budgets-mib "$3" --workloads "${WORKLOADS:-5x32768+1024,48x4096+2048}" --max-num-seqs "${SEQS:-0}" \
     --windows "${WINDOWS:-4,128}" --max-num-batched-tokens "${BATCHED:-0}" --rounds "${ROUNDS:-1}" \
     ${REFERENCE:+--reference "$REFERENCE"} ${STEPLOG:+--step-log};;

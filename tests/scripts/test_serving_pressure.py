@@ -22,6 +22,22 @@ def test_vllm_schemes_refuse_a_directory_that_switches_the_plugin_on(tmp_path):
         sp.check_model_dir(model, ["c4r4", "bf16-vllm"])
 
 
+def test_the_128_head_dummy_model_has_v3s_attention_width(tmp_path):
+    import json
+
+    sp = _module()
+    cfg = json.loads((Path(sp.dummy_model_dir(tmp_path, "deepseek-v3-width-128h-dummy")) / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]) == (
+        128,
+        512,
+        64,
+        128,
+    )
+    assert json.loads((Path(sp.dummy_model_dir(tmp_path)) / "config.json").read_text())["num_attention_heads"] == 16
+    with pytest.raises(ValueError, match="valid: deepseek-v2-lite-dummy, deepseek-v3-width-128h-dummy"):
+        sp.dummy_model_dir(tmp_path, "tiny")
+
+
 def test_workloads_parse():
     assert _module().parse_workloads("5x32768+1024,6x12288+2048") == [(5, 32768, 1024), (6, 12288, 2048)]
 
