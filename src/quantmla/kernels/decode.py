@@ -417,13 +417,11 @@ def _page_backend(kernel: str, layout: PagedLayout, rows: int, device: torch.dev
     if why is None and interpret:
         why = "the Triton interpreter (TRITON_INTERPRET=1)"
     toolchain = None
-    if why is None:
-        toolchain = unsupported(layout, rows, device)
-        if toolchain is None:
-            try:
-                extension()
-            except HopperUnavailable as e:
-                toolchain = str(e)
+    if why is None:  # this machine's toolchain (checked once a process: extension() is cached, so is missing())
+        try:
+            extension()
+        except HopperUnavailable as e:
+            toolchain = str(e)
     if why is None and toolchain is None:
         _say_once(logging.INFO, f"mla_decode: the sm_90a kernel reads {layout.scheme} pages ({rows} query rows)")
         return "sm90"
@@ -602,34 +600,25 @@ def mla_decode(
     common = (block_table, n_paged, paged_start, op, lp, used, H, maxp, ns, nsp, scale_log2)
     qs = (q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2))
     planning = dict(PLAN=plan, SMS=sm_count(dev), MAXS=MAX_SPLITS, PLAN_B=PLAN_BLOCK)
+    kernel = None
     if backend == "sm90":  # the pages on the Hopper kernel; the window programs (if any) on Triton's
-        from quantmla.kernels.decode_lowbit import lowbit_kernel
         from quantmla.kernels.hopper import page_splits
 
         page_splits(q_lat, q_pe, store, block_table, n_paged, paged_start, op, lp, used, ns, ws, wr, plan,
                     sm_count(dev), MAX_SPLITS, scale_log2)  # fmt: skip
-        launched = None
-        if wspl:
-            views = store.kernel_views()
-            launched = lowbit_kernel[(B, wspl, hg)](
-                q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
-                DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
-                CBITS=lay.content_bits, ASM_OK=True, DT=tl.float16, WS=ws, WR=wr, SUB=sub, WBLOCK_T=WINDOW_BLOCK_T,
-                WSPL=wspl, WROWS=wrows, **planning, QT=S, num_warps=num_warps, **stages, **paged_regs,
-            )  # fmt: skip
-        kernel = launched
-    elif lay.quantized:
+    if lay.quantized and (backend == "triton" or wspl):
         from quantmla.kernels.decode_lowbit import lowbit_kernel
 
         views = store.kernel_views()
-        kernel = lowbit_kernel[grid](
+        lowbit_grid = grid if backend == "triton" else (B, wspl, hg)  # sm90: only the window programs
+        kernel = lowbit_kernel[lowbit_grid](
             q_lat, q_pe, *qs, *views, *(v.stride(0) for v in views), *common, *sh,
             DC=DC, DR=DR, G=lay.group_size, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h,
             CBITS=lay.content_bits, ASM_OK=not interpret, DT=tl.float32 if interpret else tl.float16, WS=ws, WR=wr,
             SUB=sub, WBLOCK_T=WINDOW_BLOCK_T, WSPL=wspl, WROWS=wrows, **planning, QT=S, num_warps=num_warps,
             **stages, **paged_regs,
         )  # fmt: skip
-    else:
+    elif not lay.quantized:
         kernel = _paged_kernel[grid](
             q_lat, q_pe, *qs, store.content, store.content.stride(0), *common,
             DC=DC, DR=DR, PAGE=lay.page_size, BLOCK_T=block_t, BLOCK_H=block_h, DT=bf16_dt, **planning, QT=S,

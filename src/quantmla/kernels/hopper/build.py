@@ -29,8 +29,9 @@ class HopperUnavailable(RuntimeError):
     """The sm_90a decode cannot be built or run here; the message names what is missing."""
 
 
+@functools.cache
 def missing(device: torch.device | None = None) -> str | None:
-    """What this machine lacks for the sm_90a decode (``None``: nothing)."""
+    """What this machine lacks for the sm_90a decode (``None``: nothing); checked once a device and process."""
     if not torch.cuda.is_available():
         return "a CUDA device (torch sees none)"
     major, minor = torch.cuda.get_device_capability(device)
@@ -58,18 +59,26 @@ def source_key() -> str:
     return h.hexdigest()[:10]
 
 
-@functools.cache
 def extension():
-    """The built and loaded extension (raises :class:`HopperUnavailable`)."""
+    """The built and loaded extension (raises :class:`HopperUnavailable`; a failed build is not retried)."""
+    ext, error = _build()
+    if error is not None:
+        raise error
+    return ext
+
+
+@functools.cache
+def _build():
+    """``(extension, None)``, or ``(None, HopperUnavailable)``: one attempt a process."""
     reason = missing()
     if reason is not None:
-        raise HopperUnavailable(f"quantmla's sm_90a decode needs {reason}")
+        return None, HopperUnavailable(f"quantmla's sm_90a decode needs {reason}")
     from torch.utils.cpp_extension import load
 
     name = f"quantmla_sm90_decode_{source_key()}"
     logger.info("building (or loading the cached build of) quantmla's sm_90a decode %s from %s", name, CSRC)
     try:
         return load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cuda_cflags=list(CUDA_FLAGS),
-                    extra_include_paths=[str(CSRC)], verbose=False)  # fmt: skip
+                    extra_include_paths=[str(CSRC)], verbose=False), None  # fmt: skip
     except Exception as e:  # a compiler error: say which, keep the Triton path
-        raise HopperUnavailable(f"a working build ({type(e).__name__}: {str(e).splitlines()[-1][:300]})") from e
+        return None, HopperUnavailable(f"a working build ({type(e).__name__}: {str(e).splitlines()[-1][:300]})")

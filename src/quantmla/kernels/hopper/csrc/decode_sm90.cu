@@ -198,6 +198,21 @@ __device__ __forceinline__ void pv(float (&o)[128], const uint32_t (&pa)[4][4], 
   for (int ks = 0; ks < 4; ++ks) wgmma_m64n256_rs_mn(o, pa[ks], sw128_desc(vbase + ks * 16 * 128, BLOCK_BYTES, 1024), 1);
 }
 
+// a warpgroup's P (A fragments) to shared memory and back: word (ks * 4 + a) * 128 + t of a buffer is register
+// pa[ks][a] of thread t, so the other warpgroup's thread t reads back its own fragment layout
+__device__ __forceinline__ void put_p(uint32_t* buf, int t, const uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int a = 0; a < 4; ++a) buf[(ks * 4 + a) * 128 + t] = pa[ks][a];
+}
+__device__ __forceinline__ void get_p(const uint32_t* buf, int t, uint32_t (&pa)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int a = 0; a < 4; ++a) pa[ks][a] = buf[(ks * 4 + a) * 128 + t];
+}
+
 // scale to the log2 domain and mask: column 8 j + 2 c + e of the tile is position pos0 + that; row i's limit
 __device__ __forceinline__ void mask_scores(float (&sc)[32], int pos0, int c, int lo, int hi, const int (&lim)[2],
                                             float scale_log2) {
@@ -376,10 +391,7 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
         }
       }
       scale_rows(o, sa[0], sa[1]);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int a = 0; a < 4; ++a) sp[(ks * 4 + a) * 128 + t] = pa[ks][a];
+      put_p(sp, t, pa);
       named_arrive(BAR_P0, 256);
       wgmma_fence();
       pv(o, pa, kb0);
@@ -391,10 +403,7 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
         m_run[r] = sm1[rr[r]];
         sb[r] = ssb[rr[r]];
       }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int a = 0; a < 4; ++a) pb[ks][a] = sp[P_WORDS + (ks * 4 + a) * 128 + t];
+      get_p(sp + P_WORDS, t, pb);
       wgmma_wait<0>();
       mbar_arrive(&empty[0]);
       scale_rows(o, sb[0], sb[1]);
@@ -413,10 +422,7 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
         m0[r] = sm0[rr[r]];
         sa[r] = ssa[rr[r]];
       }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int a = 0; a < 4; ++a) pa[ks][a] = sp[(ks * 4 + a) * 128 + t];
+      get_p(sp, t, pa);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         m1[r] = fmaxf(m0[r], mx[r]);
@@ -432,10 +438,7 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
           ssb[rr[r]] = sb[r];
         }
       }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int a = 0; a < 4; ++a) sp[P_WORDS + (ks * 4 + a) * 128 + t] = pb[ks][a];
+      put_p(sp + P_WORDS, t, pb);
       named_arrive(BAR_P1, 256);
       m_run[0] = m1[0];
       m_run[1] = m1[1];
