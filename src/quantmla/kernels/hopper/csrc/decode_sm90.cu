@@ -271,6 +271,21 @@ __device__ __forceinline__ void probabilities(const float (&sc)[32], const float
     for (int a = 0; a < 4; ++a) pa[ks][a] = pack_half2(pr[8 * ks + 2 * a], pr[8 * ks + 2 * a + 1]);
 }
 
+// One warpgroup's softmax step on its tile: the new running maximum m = max(prev, mx) (a row with nothing attended
+// yet keeps -inf, and exponents of 0), the factor f = exp2(prev - m) that rescales what was relative to prev, and P
+// relative to m with its row sums
+__device__ __forceinline__ void softmax_step(const float (&sc)[32], const float (&prev)[2], const float (&mx)[2],
+                                             uint32_t (&pa)[4][4], float (&sum)[2], float (&m)[2], float (&f)[2]) {
+  float msafe[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = fmaxf(prev[r], mx[r]);
+    msafe[r] = m[r] == neg_inf() ? 0.f : m[r];
+    f[r] = exp2f(prev[r] - msafe[r]);
+  }
+  probabilities(sc, msafe, pa, sum);
+}
+
 template <int CBITS, bool HALF_OUT>
 __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
@@ -374,14 +389,8 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
     uint32_t pa[4][4], pb[4][4];
     float sum[2];
     if (wg == 0) {
-      float m0[2], sa[2], msafe[2];  // a row with nothing attended yet keeps -inf, and exponents of 0
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        m0[r] = fmaxf(m_run[r], mx[r]);
-        msafe[r] = m0[r] == neg_inf() ? 0.f : m0[r];
-        sa[r] = exp2f(m_run[r] - msafe[r]);
-      }
-      probabilities(sc, msafe, pa, sum);
+      float m0[2], sa[2];
+      softmax_step(sc, m_run, mx, pa, sum, m0, sa);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         lsum[r] = lsum[r] * sa[r] + sum[r];
@@ -416,20 +425,14 @@ __global__ void __launch_bounds__(THREADS, 1) decode_kernel(const __grid_constan
       mbar_arrive(&empty[1]);
     } else {
       named_sync(BAR_P0, 256);  // WG0's maximum, its rescale factor and P0
-      float m0[2], sa[2], m1[2], sb[2], msafe[2];
+      float m0[2], sa[2], m1[2], sb[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         m0[r] = sm0[rr[r]];
         sa[r] = ssa[rr[r]];
       }
       get_p(sp, t, pa);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        m1[r] = fmaxf(m0[r], mx[r]);
-        msafe[r] = m1[r] == neg_inf() ? 0.f : m1[r];
-        sb[r] = exp2f(m0[r] - msafe[r]);
-      }
-      probabilities(sc, msafe, pb, sum);
+      softmax_step(sc, m0, mx, pb, sum, m1, sb);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         lsum[r] = lsum[r] * sa[r] * sb[r] + sum[r];
