@@ -2,7 +2,8 @@
 
 The evaluation's held-out templates (:mod:`quantmla.eval.needles`) test whether a model retrieves a needle it was never
 shown the wording of. Seven fixed training phrasings teach seven sentences; this grammar composes thousands from parts:
-a family (statement, key-value line, code, JSON record, dialogue or note), a relation noun, a frame for the needle, a
+a family (statement, key-value line, code, JSON record, dialogue or note, or a record whose header line names the key
+and whose body states the value), a relation noun, a frame for the needle, a
 question intro and an answer cue. About half the cues repeat the needle's words before the value (a copy cue, as
 "kv-colon" and the held-out "kv-table" are); the rest ask in other words ("Answer:", "It is"), so the model has to find
 the needle by its key, not by its wording.
@@ -18,6 +19,8 @@ import numpy as np
 
 from quantmla.eval.needles import NeedleTemplate
 
+#: the grammar's families (``record``: the key on a header line, the value in a sentence below it)
+FAMILIES = ("statement", "kv", "code", "json", "dialogue", "record")
 #: relation nouns of the statement, dialogue and note families (none of the held-out templates' nouns)
 RELATIONS = (
     "access code", "passcode", "PIN", "ticket number", "order number", "account number", "room number",
@@ -48,7 +51,8 @@ _ASK = (
 _OTHER_CUE = (" Answer:", " It is", " The answer is", "\nAnswer:", " The {rel} is")
 
 _KV = ("\n{key}: {value}\n", "\n{key} = {value}\n", "\n{key} -> {value}\n", "\n- {key}: {value}\n",
-       "\n{key}, {value}\n", "\n* {key} => {value}\n", "\n[{key}] {value}\n")  # fmt: skip
+       "\n{key}, {value}\n", "\n* {key} => {value}\n", "\n[{key}] {value}\n", "\n{key}\t{value}\n",
+       "\n{key} ........ {value}\n", "\n({key}) {value}\n", "\n<{key}> {value}\n", "\n{key} ~ {value}\n")  # fmt: skip
 _KV_ASK = ("\nLook up {kq} in the list above.", "\nFind the entry for {kq}.", "\nWhat was listed for {kq}?",
            "\nThe line for {kq} reads:")  # fmt: skip
 
@@ -72,6 +76,23 @@ _DIALOGUE = (
 )  # fmt: skip
 
 
+# records: the key on a header line, the value in a later sentence (found by the key, not by the words before it)
+_RECORD = (
+    ("\nTicket: {key}\nStatus: open. The {rel} on file is {value}.\n",
+     "\nWhat {rel} is on file for the ticket {kq}? The {rel} is"),
+    ("\nProfile {key}\nCreated last week; its {rel} is {value}.\n",
+     "\nWhat is the {rel} in the profile of {kq}? Its {rel} is"),
+    ("\n== {key} ==\nAfter the review the {rel} became {value}.\n",
+     "\nWhat did the {rel} of the section {kq} become? It became"),
+    ("\nFrom: {key}\nThanks, my {rel} is {value}. Cheers\n",
+     "\nWhich {rel} did {kq} send? The {rel} sent was"),
+    ("\nEntry {key} (updated)\nThe {rel} recorded here: {value}\n",
+     "\nWhich {rel} was recorded in the entry {kq}? Recorded:"),
+    ("\n### {key}\nPlease use {value} as the {rel}.\n",
+     "\nUnder the heading {kq}, which {rel} should be used? Use"),
+)  # fmt: skip
+
+
 def _key_form(rng: np.random.Generator) -> str:
     """How the question names the key: as written, in words, or as an identifier."""
     return ("{key}", "{key_words}", "{key_ident}")[int(rng.choice(3, p=(0.5, 0.3, 0.2)))]
@@ -83,7 +104,7 @@ def _pick(rng: np.random.Generator, options):
 
 def generate(rng: np.random.Generator, index: int = 0) -> NeedleTemplate:
     """One training template composed from the grammar (deterministic in ``rng``)."""
-    family = _pick(rng, ("statement", "kv", "code", "json", "dialogue"))
+    family = _pick(rng, FAMILIES)
     rel = _pick(rng, RELATIONS)
     kq = _key_form(rng)
     copy = rng.random() < 0.5
@@ -113,6 +134,6 @@ def generate(rng: np.random.Generator, index: int = 0) -> NeedleTemplate:
             return NeedleTemplate(name, family, "train", needle, question, close='"', lead="")
         question = f'\nWhat is the {vf} of the {kf} "{kq}"? Answer:'
         return NeedleTemplate(name, family, "train", needle, question, close="", lead=" ")
-    needle, question = _pick(rng, _DIALOGUE)
+    needle, question = _pick(rng, _DIALOGUE if family == "dialogue" else _RECORD)
     question = question.format(rel=rel, kq=kq, key="{key}")
     return NeedleTemplate(name, family, "train", needle.replace("{rel}", rel), question)

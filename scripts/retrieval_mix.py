@@ -12,8 +12,12 @@ retrieval sequences, as in RULER-style long-context training:
   notes; copy cues and cues in other words); the pool comes in groups of four needles of one template and
   different keys, and ``same_template`` of the rows take all their needles from one group, so the key, not the
   wording, tells the needles apart;
-* then, for a random subset of the needles, each one's question and answer, one after the other, so a row trains
-  several answers.
+* then, for a random subset of the needles (all of them in ``ask_all`` of the rows), each one's question and answer,
+  one after the other, so a row trains several answers;
+* ``copy_rows`` of the rows are span-copy rows instead: a crop of the train split, then, each after a newline, 4 to 12
+  spans of 8 to 24 tokens copied from it, each one starting with tokens found nowhere else in the crop (so what follows
+  is determined by the crop). They train what the held-out templates with a copy cue ask in a layout never seen: find
+  where the last tokens occurred and continue from there, whatever the wording.
 
 What is shared with the evaluation (``quantmla eval niah``) and what is not:
 
@@ -64,13 +68,17 @@ class RetrievalMix:
     GROUP = 4  # needles of one template in a row of ``same_template``
 
     def __init__(self, tokenizer, train: np.ndarray, seq: int, max_needles: int = 8, pool: int = 4096,
-                 seed: int = 0, generated: float = 0.0, same_template: float = 0.0) -> None:  # fmt: skip
+                 seed: int = 0, generated: float = 0.0, same_template: float = 0.0, ask_all: float = 0.0,
+                 copy_rows: float = 0.0) -> None:  # fmt: skip
         if seq < 512:
             raise ValueError(f"seq={seq}: retrieval rows need at least 512 tokens")
-        for name, share in (("generated", generated), ("same_template", same_template)):
+        for name, share in (("generated", generated), ("same_template", same_template), ("ask_all", ask_all),
+                            ("copy_rows", copy_rows)):  # fmt: skip
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name}={share}: a share in [0, 1]")
         self.train, self.seq, self.max_needles, self.same_template = train, seq, max_needles, same_template
+        self.ask_all, self.copy_rows = ask_all, copy_rows
+        self.newline = np.asarray(tokenizer("\n", add_special_tokens=False)["input_ids"], dtype=np.int64)
         rng = np.random.default_rng(seed)
         fixed = templates("train")
         groups = []
@@ -103,6 +111,8 @@ class RetrievalMix:
     def row_parts(self, rng: np.random.Generator) -> tuple[np.ndarray, list[int], list[int]]:
         """``(row, the needles it states, the ones it asks)`` (indices into the pool)."""
         n = self.seq + 1
+        if self.copy_rows and rng.random() < self.copy_rows:
+            return self.copy_row(rng)[0], [], []
         if rng.random() < self.same_template:  # all needles of one template, told apart by their keys
             g = int(rng.integers(0, len(self.needles) // self.GROUP))
             k = int(rng.integers(1, min(self.GROUP, self.max_needles) + 1))
@@ -110,7 +120,7 @@ class RetrievalMix:
         else:
             k = int(rng.integers(1, self.max_needles + 1))
             picks = rng.choice(len(self.needles), size=k, replace=False)
-        asked = picks[: int(rng.integers(1, k + 1))]
+        asked = picks if rng.random() < self.ask_all else picks[: int(rng.integers(1, k + 1))]
         qa = [np.concatenate([self.questions[i], self.answers[i]]) for i in rng.permutation(asked)]
         tail = np.concatenate(qa)
         room = n - len(tail) - sum(len(self.needles[i]) for i in picks)
@@ -129,3 +139,29 @@ class RetrievalMix:
         out = np.concatenate([*parts, hay[prev:], tail])
         assert len(out) == n, (len(out), n)
         return out, [int(i) for i in picks], [int(i) for i in asked]
+
+    def copy_row(self, rng: np.random.Generator, min_cue: int = 3,
+                 tries: int = 64) -> tuple[np.ndarray, list[tuple[int, int]]]:  # fmt: skip
+        """A span-copy row of ``seq + 1`` tokens and its spans ``(start in the row, length)``: a crop, then spans of
+        it, each after a newline, each starting with ``min_cue`` tokens that occur nowhere else in the crop (of
+        ``tries`` random starts the first such one; if none is, the start whose first tokens occur least often)."""
+        n = self.seq + 1
+        lengths = rng.integers(8, 25, size=int(rng.integers(4, 13)))
+        room = n - int(lengths.sum()) - len(lengths) * len(self.newline)
+        s = int(rng.integers(0, len(self.train) - room))
+        hay = self.train[s : s + room].astype(np.int64)
+        grams = np.lib.stride_tricks.sliding_window_view(hay, min_cue)
+        parts, spans = [], []
+        for length in lengths:
+            best = (room + 1, 0)
+            for _ in range(tries):
+                p = int(rng.integers(0, room - length + 1))
+                count = int((grams == hay[p : p + min_cue]).all(axis=1).sum())
+                best = min(best, (count, p))
+                if count == 1:
+                    break
+            parts += [self.newline, hay[best[1] : best[1] + length]]
+            spans.append((best[1], int(length)))
+        out = np.concatenate([hay, *parts])
+        assert len(out) == n, (len(out), n)
+        return out, spans

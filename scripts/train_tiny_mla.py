@@ -8,7 +8,9 @@ scaled down to ~9.3M parameters (18.6 MB in BF16, under the 20 MB bundle limit);
 at 4096 tokens of context. ``--retrieval-share`` of the rows are synthetic retrieval sequences
 (``retrieval_mix.py``). ``--budget-minutes`` times the first steps and sets the step count (and so the
 cosine schedule) to fit the budget; the count is logged. Seeded; the config hash, data hashes, loss curve and
-the best checkpoint (lowest validation loss) are written to ``--out``.
+the best checkpoint (lowest validation loss; ``--keep last``: the last) are written to ``--out``. ``--init`` starts
+from trained weights of the same architecture (a fine-tuning: model v2 trained on with the template grammar,
+span-copy rows and more questions a row, ``--retrieval-copy``, ``--retrieval-ask-all``).
 (Model v1, latent 128 at 512 tokens, was trained by this script's version at commit 1bbc789.)
 """
 
@@ -110,6 +112,17 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def initial_model(config, init: Path | None):
+    """``(model, the init files' SHA-256s)``: random weights, or ``init``'s (float32), which must be the same
+    architecture exactly: every tensor by name and shape, nothing left over (else a RuntimeError naming them)."""
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if init is None:
+        return model, None
+    start = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    model.load_state_dict(start.state_dict(), strict=True)
+    return model, {f.name: sha256_file(f) for f in sorted(Path(init).glob("*.safetensors"))}
+
+
 def batches(data: np.ndarray, batch: int, seq: int, gen: np.random.Generator, mix: RetrievalMix | None,
             share: float):  # fmt: skip
     """Rows of ``seq + 1`` tokens: random crops of the train split, the first ``round(share * batch)`` of
@@ -148,6 +161,11 @@ def main() -> None:
     ap.add_argument("--retrieval-generated", type=float, default=0.7, help="share of needles from the grammar")
     ap.add_argument("--retrieval-same-template", type=float, default=0.3, help="share of rows of one template")
     ap.add_argument("--retrieval-pool", type=int, default=16384, help="needles (key, value, template) to draw from")
+    ap.add_argument("--retrieval-ask-all", type=float, default=0.0, help="share of rows asking every needle they state")
+    ap.add_argument("--retrieval-copy", type=float, default=0.0, help="share of retrieval rows that are span copies")
+    ap.add_argument("--init", type=Path, default=None, help="start from these weights (the family's architecture)")
+    ap.add_argument("--keep", choices=("best", "last"), default="best",
+                    help="ship the checkpoint of lowest validation loss, or the last one (fine-tuning)")  # fmt: skip
     ap.add_argument(
         "--budget-minutes",
         type=float,
@@ -170,7 +188,8 @@ def main() -> None:
     train = np.load(args.tokens / "train.u16.npy")
     val = np.load(args.tokens / "validation.u16.npy")
     config = FAMILIES[args.family](stats["vocab_size"], stats["eos_id"], stats["pad_id"])
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    model, init_sha = initial_model(config, args.init)
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -192,7 +211,8 @@ def main() -> None:
     if args.retrieval_share > 0:
         mix = RetrievalMix(AutoTokenizer.from_pretrained(args.tokens), train, args.seq, pool=args.retrieval_pool,
                            seed=args.seed, generated=args.retrieval_generated,
-                           same_template=args.retrieval_same_template)  # fmt: skip
+                           same_template=args.retrieval_same_template, ask_all=args.retrieval_ask_all,
+                           copy_rows=args.retrieval_copy)  # fmt: skip
     it = batches(train, args.batch, args.seq, gen, mix, args.retrieval_share)
     curve, best = [], (float("inf"), -1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +249,7 @@ def main() -> None:
                 f"step {step} train {float(loss):.3f} val {v:.3f} ppl {math.exp(v):.1f} {time.time() - t0:.0f}s",
                 flush=True,
             )
-            if v < best[0]:
+            if v < best[0] or args.keep == "last":
                 best = (v, step)
                 model.save_pretrained(args.out / "model", max_shard_size="12MB", safe_serialization=True)
         if last:
@@ -260,6 +280,7 @@ def main() -> None:
         "train_tokens_sha256": sha256_file(args.tokens / "train.u16.npy"),
         "validation_tokens_sha256": sha256_file(args.tokens / "validation.u16.npy"),
         "parameters": n_params,
+        "init_sha256": init_sha,
         "args": {k: str(v) for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -17,8 +17,29 @@
 #                                           # command $AFTER, if given (e.g. the MLAfication benchmark on the teacher)
 #   scripts/train_tiny_mla_gpu.sh collect   # waits for it (at most WAIT s), packs $RES into $OUT
 # Two runs at once take their own QM, RES, WORK and TOK (the decompressed token splits).
+#
+# Fine-tuning (model v2 or the teacher trained on for retrieval): `pack-ft` writes .data/gpu-ft: the same files with
+# every other chunk of 65,536 train tokens (so the carry fits beside the starting weights), model v2 (from the
+# tree) and the teacher (TEACHER, default .data/teacher); on the device DATA=.data/gpu-ft and
+# TRAIN_ARGS="--init .data/gpu-ft/v2 --keep last ...".
 set -u
+DATA=${DATA:-.data/gpu}
 case "${1:-}" in
+pack-ft)
+  mkdir -p .data/gpu-ft/v2 .data/gpu-ft/teacher
+  python -c "
+import lzma, numpy as np
+a = np.load('.data/tokenizer-v2/train.u16.npy')
+c = 65536
+keep = np.concatenate([a[i:i + c] for i in range(0, len(a), c) if (i // c) % 2 == 0])
+with lzma.open('.data/gpu-ft/train.u16.npy.xz', 'wb', preset=9) as f:
+    np.save(f, keep)
+print('train tokens kept:', len(keep), 'of', len(a))"
+  cp .data/gpu/validation.u16.npy.xz .data/gpu/test.u16.npy.xz .data/gpu/tokenizer* .data/gpu/niah-text.txt .data/gpu-ft/
+  cp src/quantmla/assets/tiny-mla/{config.json,generation_config.json,model*.safetensors*,tokenizer*} .data/gpu-ft/v2/
+  cp "${TEACHER:-.data/teacher}"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
+  du -sh .data/gpu-ft
+  ;;
 pack)
   mkdir -p .data/gpu
   for s in train validation test; do xz -T2 -6 -c ".data/tokenizer-v2/$s.u16.npy" > ".data/gpu/$s.u16.npy.xz"; done
@@ -28,17 +49,17 @@ pack)
 run)
   export PYTHONPATH=src
   T=${TOK:-/tmp/tok}; W=${WORK:-/tmp/train}; mkdir -p "$T" "$W"
-  cp .data/gpu/tokenizer* "$T/" || exit 1
+  cp "$DATA"/tokenizer* "$T/" || exit 1
   python -c "
 import lzma, shutil
 for s in ('train', 'validation', 'test'):
-    with lzma.open('.data/gpu/' + s + '.u16.npy.xz') as f, open('$T/' + s + '.u16.npy', 'wb') as g:
+    with lzma.open('$DATA/' + s + '.u16.npy.xz') as f, open('$T/' + s + '.u16.npy', 'wb') as g:
         shutil.copyfileobj(f, g, 1 << 24)"
   python scripts/train_tiny_mla.py --tokens "$T" --out "$W" --seq 4096 --batch 16 --retrieval-share 0.2 \
-    --family "${FAMILY:-mla}" --niah-text .data/gpu/niah-text.txt \
+    --family "${FAMILY:-mla}" --niah-text "$DATA/niah-text.txt" \
     --budget-minutes "${BUDGET:-6.8}" --max-minutes "$(python -c "print(${BUDGET:-6.8} + 0.5)")" ${TRAIN_ARGS:-} 2>&1 | tee "$W/train.log"
-  if [ "${FAMILY:-mla}" = mla ]; then timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
-    --text .data/gpu/niah-text.txt --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"; fi
+  if [ "${FAMILY:-mla}" = mla ] && [ "${NIAH_SECONDS:-150}" != 0 ]; then timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
+    --text "$DATA/niah-text.txt" --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"; fi
   mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json"
   cp "$W"/model/model*.safetensors "$OUT/"
   tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah

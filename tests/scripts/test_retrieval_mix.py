@@ -57,7 +57,7 @@ def test_training_draws_every_training_template_and_nothing_held_out(tok):
     generated = {n for n in mix.templates if n.startswith("gen-")}
     assert 0.6 < len(generated) / (len(mix.templates) / mix.GROUP) < 0.8  # one template a group of four
     assert {f for n, f in zip(mix.templates, mix.families, strict=True) if n.startswith("gen-")} == {
-        "statement", "kv", "code", "json", "dialogue"}  # fmt: skip
+        "statement", "kv", "code", "json", "dialogue", "record"}  # fmt: skip
     assert len({mix.template_texts[n] for n in generated}) > 150  # many distinct phrasings, not a few repeated
     assert not train & {t.name for t in needles.templates("heldout")}
     held_words = set(needles.HELDOUT_WORDS)
@@ -105,3 +105,40 @@ def test_short_rows_are_refused(tok):
         rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=256)
     with pytest.raises(ValueError, match="generated=1.5"):
         rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=1024, generated=1.5)
+
+
+def test_span_copy_rows_repeat_spans_whose_first_tokens_are_unique(tok):
+    """Each span after the crop is a copy of the crop at its start, after a newline, and its first three tokens occur
+    once in the crop (so the rest is determined): in a haystack of repeated text with a fresh token every 20, where
+    few starts are such, they are still found."""
+    rm = _module()
+    rng = np.random.default_rng(0)
+    text = np.tile(np.arange(10, 30), 400)
+    text[::20] = rng.choice(np.arange(100, 8000), size=400, replace=False)
+    mix = rm.RetrievalMix(tok, text.astype(np.uint16), seq=1024, pool=16, seed=0, copy_rows=1.0)
+    nl = mix.newline
+    for _ in range(30):
+        row, spans = mix.copy_row(rng)
+        assert row.shape == (1025,) and 4 <= len(spans) <= 12
+        tail = sum(length + len(nl) for _, length in spans)
+        hay, pos = row[: len(row) - tail], len(row) - tail
+        for start, length in spans:
+            assert np.array_equal(row[pos : pos + len(nl)], nl)
+            copy = row[pos + len(nl) : pos + len(nl) + length]
+            assert np.array_equal(copy, hay[start : start + length]) and 8 <= length <= 24
+            grams = np.lib.stride_tricks.sliding_window_view(hay, 3)
+            assert (grams == copy[:3]).all(axis=1).sum() == 1, (start, copy[:3])
+            pos += len(nl) + length
+        assert pos == len(row)
+    assert mix.row_parts(rng)[1:] == ([], [])  # a copy row states and asks no needle
+
+
+def test_ask_all_asks_every_stated_needle(tok):
+    rm = _module()
+    mix = rm.RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=64, seed=1, ask_all=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        _, stated, asked = mix.row_parts(rng)
+        assert sorted(asked) == sorted(stated)
+    with pytest.raises(ValueError, match="copy_rows=2"):
+        rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=1024, copy_rows=2)

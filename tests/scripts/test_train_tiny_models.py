@@ -39,3 +39,22 @@ def test_niah_through_the_models_own_cache_counts_each_answer_once():
     assert out["all"]["answers"] == 45  # 3 tasks x 3 lengths x 5 depths
     assert sum(out[t]["answers"] for t in ("niah-1", "niah-2", "niah-3")) == 45
     assert sum(out[n]["answers"] for n in ("1024", "2048", "4096")) == 45
+
+
+def test_fine_tuning_starts_from_the_same_architecture_only(tmp_path):
+    """``--init``: the weights are loaded exactly (equal tensors) and a checkpoint of another shape is refused."""
+    import pytest
+
+    train = load_script("scripts/train_tiny_mla.py")
+    config = train.gqa_config(512, 0, 1)
+    config.num_hidden_layers, config.layer_types = 1, ["full_attention"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "a")
+    model, sha = train.initial_model(config, tmp_path / "a")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32).state_dict()
+    assert all(torch.equal(t, saved[k]) for k, t in model.state_dict().items()) and list(sha) == ["model.safetensors"]
+    fresh, none = train.initial_model(config, None)
+    assert none is None and not torch.equal(fresh.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
+    config.num_hidden_layers, config.layer_types = 2, ["full_attention"] * 2
+    with pytest.raises(RuntimeError, match="layers.1"):
+        train.initial_model(config, tmp_path / "a")
