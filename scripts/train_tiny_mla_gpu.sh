@@ -20,7 +20,7 @@
 #
 # Fine-tuning (model v2 or the teacher trained on for retrieval): `pack-ft` writes .data/gpu-ft: the same files with
 # every other chunk of 65,536 train tokens (so the carry fits beside the starting weights), model v2 (from the
-# tree) and the teacher (TEACHER, default .data/teacher); on the device DATA=.data/gpu-ft and
+# tree, or MLA_INIT) as v2/ and the teacher (TEACHER, default .data/teacher); on the device DATA=.data/gpu-ft and
 # TRAIN_ARGS="--init .data/gpu-ft/v2 --keep last ...".
 set -u
 DATA=${DATA:-.data/gpu}
@@ -36,7 +36,7 @@ with lzma.open('.data/gpu-ft/train.u16.npy.xz', 'wb', preset=9) as f:
     np.save(f, keep)
 print('train tokens kept:', len(keep), 'of', len(a))"
   cp .data/gpu/validation.u16.npy.xz .data/gpu/test.u16.npy.xz .data/gpu/tokenizer* .data/gpu/niah-text.txt .data/gpu-ft/
-  cp src/quantmla/assets/tiny-mla/{config.json,generation_config.json,model*.safetensors*,tokenizer*} .data/gpu-ft/v2/
+  cp "${MLA_INIT:-src/quantmla/assets/tiny-mla}"/{config.json,generation_config.json,model*.safetensors*,tokenizer*} .data/gpu-ft/v2/
   cp "${TEACHER:-.data/teacher}"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
   du -sh .data/gpu-ft
   ;;
