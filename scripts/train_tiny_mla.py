@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--niah-text", type=Path, default=None, help="haystack: NIAH of the shipped weights at the end")
     ap.add_argument("--niah-n", type=int, default=2, help="NIAH examples a cell (with --niah-text)")
     args = ap.parse_args()
+    if args.init is not None and not (args.init / "config.json").is_file():
+        ap.error(f"--init {args.init}: no config.json there; give a model directory saved by this script")
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
