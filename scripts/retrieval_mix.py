@@ -120,7 +120,9 @@ class RetrievalMix:
         else:
             k = int(rng.integers(1, self.max_needles + 1))
             picks = rng.choice(len(self.needles), size=k, replace=False)
-        asked = picks if rng.random() < self.ask_all else picks[: int(rng.integers(1, k + 1))]
+        # (no draw without ask_all or copy_rows: the rows of runs made before them stay what their seed gave)
+        ask_all = self.ask_all and rng.random() < self.ask_all
+        asked = picks if ask_all else picks[: int(rng.integers(1, k + 1))]
         qa = [np.concatenate([self.questions[i], self.answers[i]]) for i in rng.permutation(asked)]
         tail = np.concatenate(qa)
         room = n - len(tail) - sum(len(self.needles[i]) for i in picks)
