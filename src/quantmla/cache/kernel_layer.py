@@ -90,6 +90,23 @@ class KernelLatentLayer(QuantizedLatentLayer):
         )
         self.n_mid += n
 
+    # -- rollback: kernel pages quantise each token on its own, so a prefix is exact --------------------
+    def _set_mid_recording(self, on: bool) -> None:
+        pass
+
+    def _mid_truncation_error(self, length: int) -> str | None:
+        return None
+
+    def _truncate_mid(self, length: int) -> None:
+        """Keep the first ``length`` paged tokens; the pages past them go back to the pool (the slots they held
+        are rewritten when tokens are appended again)."""
+        if length >= self.n_mid:
+            return
+        used = -(-length // self.layout.page_size)
+        self.block_table[:, used:] = 0
+        self.free_page = self.block_table.shape[0] * used  # pages are handed out in order, one per row and page
+        self.n_mid = length
+
     def _mid_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.block_table.shape[0]
         idx = torch.arange(self.n_mid, device=self.device)
@@ -121,6 +138,8 @@ class KernelLatentLayer(QuantizedLatentLayer):
         for st in (self.sink_c, self.sink_r):
             st.map_batch(fn)
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
+        if self._evicted is not None:
+            self._evicted = (fn(self._evicted[0]), fn(self._evicted[1]))
         self.batch = b_new
 
     def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):

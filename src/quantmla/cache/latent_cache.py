@@ -15,6 +15,12 @@ Position policy: a decode step (one new token) sees exactly what the stores hold
 update (prefill, chunked prefill) attends its *own* new tokens at full precision, as they were
 computed, and stores them quantised for later steps; earlier tokens are seen as stored.
 
+Rollback (assisted / speculative decoding): ``crop(-k)`` removes the last ``k`` tokens and leaves the cache exactly
+as if they had never been appended, tokens they pushed out of the recent window back unquantised. While past
+recording is on (``activate_past_recording()``, which transformers calls before assisted decoding) each layer keeps
+the unquantised copies of the tokens that leave the window until the next ``crop``; a crop that would need a token
+quantised before that raises (one message, nothing changed), never returns a silently different cache.
+
 ``hp_dtype`` (the unquantised windows) defaults to the dtype of the model's activations, which is
 BF16 in production; byte counts are measured from the allocated tensors either way.
 
@@ -116,12 +122,16 @@ class QuantizedLatentLayer(DynamicLayer):
     cannot be assigned.
     """
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, cfg: LatentCacheConfig, layer_idx: int) -> None:
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         self.seen = 0
+        #: transformers' flag (``Cache.is_recording_past`` reads it): while set, the tokens that leave the recent
+        #: window are also kept unquantised until the next ``crop``, so that ``crop`` can undo their eviction
+        self.record_past = False
+        self._evicted: tuple[torch.Tensor, torch.Tensor] | None = None  # (latent, RoPE key) since the checkpoint
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -160,6 +170,7 @@ class QuantizedLatentLayer(DynamicLayer):
         self.rec_c = torch.empty(b, 0, cfg.kv_lora_rank, dtype=self.hp_dtype, device=self.device)
         self.rec_r = torch.empty(b, 0, cfg.rope_dim, dtype=self.hp_dtype, device=self.device)
         self.is_initialized = True
+        self._set_mid_recording(self.record_past)
 
     def _split(self, total: int) -> tuple[int, int]:
         """``(sinks, recent)``: tokens the unquantised stores hold once the layer has ``total`` (the policy's
@@ -241,6 +252,7 @@ class QuantizedLatentLayer(DynamicLayer):
         self.rec_r = torch.cat([self.rec_r, r[:, n_sink:].to(self.hp_dtype)], dim=1)
         overflow = self.rec_c.shape[1] - recent  # the oldest recent tokens leave the window: quantised once
         if overflow > 0:
+            self._record_eviction(self.rec_c[:, :overflow], self.rec_r[:, :overflow])
             self._append_mid(self.rec_c[:, :overflow], self.rec_r[:, :overflow])
             self.rec_c, self.rec_r = self.rec_c[:, overflow:].clone(), self.rec_r[:, overflow:].clone()
         self.seen += s
@@ -258,9 +270,107 @@ class QuantizedLatentLayer(DynamicLayer):
     def reset(self) -> None:
         self.seen = 0
         self.is_initialized = False
+        self._evicted = None
+
+    # -- rollback (assisted / speculative decoding) ------------------------------------------------------
+    def activate_past_recording(self, **kwargs) -> None:
+        """From now until each ``crop``, keep the tokens leaving the recent window unquantised as well, so that
+        ``crop`` can remove tokens appended meanwhile exactly (transformers calls this before assisted decoding;
+        keyword arguments, e.g. ``recurrent_states_to_keep``, concern other layer kinds)."""
+        self.record_past = True
+        self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Forget what was recorded: later crops can undo only what is appended from here on."""
+        self._evicted = None
+        if self.is_initialized:
+            self._set_mid_recording(self.record_past)
+
+    def _set_mid_recording(self, on: bool) -> None:
+        self.mid_c.set_recording(on)
+        self.mid_r.set_recording(on)
+
+    def _record_eviction(self, c: torch.Tensor, r: torch.Tensor) -> None:
+        if not self.record_past:
+            self._evicted = None
+            return
+        if self._evicted is None:
+            self._evicted = (c.clone(), r.clone())
+        else:
+            self._evicted = (torch.cat([self._evicted[0], c], 1), torch.cat([self._evicted[1], r], 1))
+
+    def _mid_truncation_error(self, length: int) -> str | None:
+        return self.mid_c.truncation_error(length) or self.mid_r.truncation_error(length)
+
+    def _truncate_mid(self, length: int) -> None:
+        self.mid_c.truncate(length)
+        self.mid_r.truncate(length)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a quantised latent cache cannot be cropped: quantised tokens are not recoverable")
+        """Remove the last ``-tokens_to_remove`` tokens (a count <= 0, as transformers >= 5.15 passes it), leaving
+        the layer exactly as if they had never been appended: tokens they pushed out of the recent window come
+        back unquantised. That needs the unquantised copies kept since past recording was activated or since the
+        last ``crop`` (:meth:`activate_past_recording`); a crop reaching further back raises and changes
+        nothing. Every crop, ``crop(0)`` included, starts a new recording span."""
+        why = self.crop_error(tokens_to_remove)
+        if why is not None:
+            raise RuntimeError(why)
+        if tokens_to_remove and self.is_initialized:
+            self._rollback(self.seen + tokens_to_remove)
+        self._checkpoint()
+
+    def crop_error(self, tokens_to_remove: int) -> str | None:
+        """Why ``crop(tokens_to_remove)`` could not be exact (``None``: it can); a bad argument raises ValueError."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"crop(tokens_to_remove={tokens_to_remove!r}): pass how many tokens to remove as a negative int "
+                "(e.g. crop(-3)); 0 removes none"
+            )
+        if not tokens_to_remove or not self.is_initialized:
+            return None
+        n, n2 = self.seen, self.seen + tokens_to_remove
+        if n2 < 0:
+            raise ValueError(f"crop({tokens_to_remove}): cache layer {self.layer_idx} holds {n} tokens")
+        need_from, need_to = self._restore_span(n2)
+        end_mid = n - self.rec_c.shape[1]
+        kept = 0 if self._evicted is None else self._evicted[0].shape[1]
+        why = None
+        if need_to > need_from and need_from < end_mid - kept:
+            why = (f"tokens from position {need_from} left the recent window (quantised) before past recording "
+                   f"started or before the last crop ({kept} evictions kept since)")  # fmt: skip
+        why = why or self._mid_truncation_error(max(0, need_from - self.sink_c.length))
+        if why is None:
+            return None
+        return (f"cannot crop cache layer {self.layer_idx} from {n} to {n2} tokens exactly: {why}; call "
+                "cache.activate_past_recording() before appending the tokens to be removed (transformers' assisted "
+                "decoding does), and crop at most the tokens appended since")  # fmt: skip
+
+    def _restore_span(self, n2: int) -> tuple[int, int]:
+        """``[from, to)``: the positions of the middle that are unquantised again once the layer holds ``n2`` tokens
+        (the windows' split of ``n2``); empty when ``to <= from``. ``from - sinks`` is the middle's new length."""
+        _, r2 = self._split(n2)
+        return n2 - r2, min(self.seen - self.rec_c.shape[1], n2)
+
+    def _rollback(self, n2: int) -> None:
+        """Bring the layer back to its first ``n2`` tokens (:meth:`crop_error` said it can)."""
+        s, end_mid = self.sink_c.length, self.seen - self.rec_c.shape[1]
+        s2 = min(s, n2)
+        need_from, need_to = self._restore_span(n2)
+        restore = max(0, need_to - need_from)
+        back_c, back_r = self.rec_c[:, :0], self.rec_r[:, :0]
+        if restore:
+            kept = self._evicted[0].shape[1]
+            start = need_from - (end_mid - kept)
+            back_c = self._evicted[0][:, start : start + restore]
+            back_r = self._evicted[1][:, start : start + restore]
+        keep_rec = max(0, n2 - end_mid)
+        self.rec_c = torch.cat([back_c, self.rec_c[:, :keep_rec]], 1)
+        self.rec_r = torch.cat([back_r, self.rec_r[:, :keep_rec]], 1)
+        self._truncate_mid(max(0, need_from - s2))
+        if s2 < s:
+            self.sink_c.truncate(s2)
+            self.sink_r.truncate(s2)
+        self.seen = n2
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -268,6 +378,8 @@ class QuantizedLatentLayer(DynamicLayer):
         for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r):
             st.map_batch(fn)
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
+        if self._evicted is not None:
+            self._evicted = (fn(self._evicted[0]), fn(self._evicted[1]))
         self.batch = self.rec_c.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -447,8 +559,21 @@ class QuantizedLatentCache(Cache):
             else:
                 cls = QuantizedLatentLayer
             if type(layer) is not cls:
+                recording = layer.record_past
                 layer = self.layers[layer_idx] = cls(self.layer_configs[layer_idx], layer_idx)
+                layer.record_past = recording
         return layer.update(key_states, value_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens from every layer, exactly (see
+        :meth:`QuantizedLatentLayer.crop`); checked on every layer first, so a crop that cannot be exact raises
+        and leaves the whole cache as it was."""
+        for layer in self.layers:
+            why = layer.crop_error(tokens_to_remove)
+            if why is not None:
+                raise RuntimeError(why)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def nbytes(self) -> int:
         """Bytes of the cache storage in use: unquantised windows and sinks as allocated, quantised

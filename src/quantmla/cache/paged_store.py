@@ -45,6 +45,10 @@ class PagedPathStore:
             "minimum": torch.empty(b, 0, dim, dtype=torch.float16, device=device),
             "filling": torch.empty(b, p, dim, dtype=hp_dtype, device=device),
         }
+        #: while recording (:meth:`set_recording`): the tokens of the pages quantised since, as they were before
+        #: quantisation (the last ``retained.shape[1]`` tokens of the whole pages), so :meth:`truncate` can put a
+        #: page back into the filling buffer
+        self.retained: torch.Tensor | None = None
 
     def _code_bytes(self) -> int:
         bits = self.fmt.channel_bits
@@ -90,6 +94,8 @@ class PagedPathStore:
             self.tensors["scale"][:, self.full : self.full + pages] = q_scale
             self.tensors["minimum"][:, self.full : self.full + pages] = q.minimum
             self.full += pages
+            if self.retained is not None:
+                self.retained = torch.cat([self.retained.to(pending.dtype), pending[:, : pages * p]], dim=1)
         rest = pending[:, pages * p :]
         self.tensors["filling"][:, : rest.shape[1]] = rest.to(self.hp_dtype)
         self.fill = rest.shape[1]
@@ -105,6 +111,46 @@ class PagedPathStore:
             stored = dequantize_per_channel(GroupQuantized(codes, scale, minimum, self.fmt.bits, p), dtype)
         return torch.cat([stored, self.tensors["filling"][:, : self.fill].to(dtype)], dim=1)
 
+    # -- rollback (speculative decoding) ---------------------------------------------------------------
+    def set_recording(self, on: bool) -> None:
+        """Start keeping the unquantised tokens of the pages filled from now on (``on``), or stop; either way
+        forget those kept so far."""
+        self.retained = torch.empty(self.batch, 0, self.dim, dtype=self.hp_dtype, device=self.device) if on else None
+
+    def truncation_error(self, length: int) -> str | None:
+        """Why :meth:`truncate` to ``length`` could not be exact (``None``: it can): a page quantised before
+        recording started would have to be split."""
+        keep_full = length // self.page
+        if length >= self.length or keep_full >= self.full or length % self.page == 0:
+            return None
+        kept = 0 if self.retained is None else self.retained.shape[1]
+        if keep_full * self.page >= self.full * self.page - kept:
+            return None
+        return (f"token {length} lies in a page of {self.page} quantised per channel before past recording started "
+                f"(its unquantised tokens are gone)")  # fmt: skip
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens exactly as a store that never saw the rest: a quantised page that is
+        cut goes back to the filling buffer unquantised (see :meth:`truncation_error`)."""
+        if length >= self.length:
+            return
+        why = self.truncation_error(length)
+        if why is not None:
+            raise RuntimeError(f"cannot truncate to {length} tokens: {why}")
+        p, keep_full = self.page, length // self.page
+        fill = length - keep_full * p
+        if keep_full < self.full:
+            dropped = (self.full - keep_full) * p  # tokens of the quantised pages given up
+            if self.retained is not None:
+                tail = self.retained[:, self.retained.shape[1] - dropped :]
+                self.retained = self.retained[:, : self.retained.shape[1] - dropped]
+                self.tensors["filling"][:, :fill] = tail[:, :fill].to(self.hp_dtype)
+            self.full = keep_full
+            cap = -(-keep_full // self.grow_pages) * self.grow_pages
+            for name, per in (("codes", p), ("scale", 1), ("minimum", 1)):
+                self.tensors[name] = self.tensors[name][:, : cap * per].clone()
+        self.fill = fill
+
     def nbytes(self) -> int:
         """Bytes of the allocated arrays (whole allocation units of pages, and the filling page's buffer)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -112,3 +158,5 @@ class PagedPathStore:
     def map_batch(self, fn) -> None:
         self.tensors = {k: fn(v) for k, v in self.tensors.items()}
         self.batch = self.tensors["scale"].shape[0]
+        if self.retained is not None:
+            self.retained = fn(self.retained)

@@ -73,6 +73,23 @@ class PathStore:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.layout.decode([t[:, : self.length] for t in self.tensors.values()], dtype)
 
+    # -- rollback (speculative decoding): every token is quantised on its own, so a prefix is exact ----------
+    def set_recording(self, on: bool) -> None:
+        """Start (or stop) keeping what :meth:`truncate` needs: nothing, for a per-token format."""
+
+    def truncation_error(self, length: int) -> str | None:
+        """Why :meth:`truncate` to ``length`` could not be exact (``None``: it can)."""
+        return None
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens, exactly as a store that never saw the rest (its pages too)."""
+        if length >= self.length:
+            return
+        self.length = length
+        cap = -(-length // self.page_size) * self.page_size
+        if cap < self.capacity:
+            self.tensors = {k: t[:, :cap].clone() for k, t in self.tensors.items()}
+
     def nbytes(self) -> int:
         """Bytes of the allocated arrays (whole pages)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -106,6 +123,15 @@ class TransformedStore:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.path.backward(self.inner.dequantize(torch.promote_types(dtype, torch.float32))).to(dtype)
+
+    def set_recording(self, on: bool) -> None:
+        self.inner.set_recording(on)
+
+    def truncation_error(self, length: int) -> str | None:
+        return self.inner.truncation_error(length)
+
+    def truncate(self, length: int) -> None:
+        self.inner.truncate(length)
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
