@@ -55,7 +55,7 @@ class _Replay:
         def checked_crop(tokens_to_remove):
             n2 = cache.get_seq_length() + tokens_to_remove
             self.restored += sum(
-                max(0, hi - lo) for lyr in cache.layers for lo, hi in [lyr._restore_span(n2)] if lyr.is_initialized
+                max(0, hi - lo) for lyr in cache.layers for lo, hi in [lyr.restore_span(n2)] if lyr.is_initialized
             )
             crop(tokens_to_remove)
             self.crops += tokens_to_remove < 0
@@ -103,6 +103,19 @@ def test_every_crop_in_assisted_decoding_is_exact(family, prompt, monkeypatch):
 
 
 def test_without_the_restore_a_crop_is_not_exact(prompt, monkeypatch):
-    monkeypatch.setattr(QuantizedLatentLayer, "_restore_span", lambda self, n2: (0, 0))
+    monkeypatch.setattr(QuantizedLatentLayer, "restore_span", lambda self, n2: (0, 0))
     with pytest.raises(AssertionError):
         test_every_crop_in_assisted_decoding_is_exact("deepseek_v3", prompt, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "scheme,sink,recent,warned", [("c4r4", 2, 3, True), ("c4r4", 4, 128, False), ("bf16", 2, 3, False)]
+)
+def test_a_verify_step_past_the_windows_is_announced(scheme, sink, recent, warned, prompt, caplog):
+    """A verify step reads with the prefill policy; where that differs from token-by-token decode (a quantised
+    scheme, a request longer than the windows) the cache says so once, never silently."""
+    model = enable_latent_attention(tiny_model("deepseek_v3"))
+    with caplog.at_level("WARNING", logger="quantmla.cache.latent_cache"):
+        _generate(model, prompt, scheme, sink, recent, prompt_lookup_num_tokens=4)
+    notes = [r for r in caplog.records if "assisted decoding's verify" in r.getMessage()]
+    assert len(notes) == int(warned)

@@ -93,7 +93,7 @@ def test_crop_property(scheme, sink, recent, prefix, drafted, data):
 def test_crop_restores_evicted_tokens_unquantised(monkeypatch):
     """The restore matters: without it the tokens pushed out of the recent window stay quantised."""
     _crop_vs_never_seen("c4r4", 0, 4, 10, 5, 3)
-    monkeypatch.setattr(QuantizedLatentLayer, "_restore_span", lambda self, n2: (0, 0))
+    monkeypatch.setattr(QuantizedLatentLayer, "restore_span", lambda self, n2: (0, 0))
     with pytest.raises(AssertionError):
         _crop_vs_never_seen("c4r4", 0, 4, 10, 5, 3)
 

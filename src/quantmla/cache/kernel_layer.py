@@ -138,8 +138,8 @@ class KernelLatentLayer(QuantizedLatentLayer):
         for st in (self.sink_c, self.sink_r):
             st.map_batch(fn)
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
-        if self._evicted is not None:
-            self._evicted = (fn(self._evicted[0]), fn(self._evicted[1]))
+        if self.recorded_evictions is not None:
+            self.recorded_evictions = (fn(self.recorded_evictions[0]), fn(self.recorded_evictions[1]))
         self.batch = b_new
 
     def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):

@@ -131,7 +131,10 @@ class QuantizedLatentLayer(DynamicLayer):
         #: transformers' flag (``Cache.is_recording_past`` reads it): while set, the tokens that leave the recent
         #: window are also kept unquantised until the next ``crop``, so that ``crop`` can undo their eviction
         self.record_past = False
-        self._evicted: tuple[torch.Tensor, torch.Tensor] | None = None  # (latent, RoPE key) since the checkpoint
+        self.recorded_evictions: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # (latent, RoPE key) since the checkpoint
+        )
+        self.verify_noted = False  # the verify-step warning was logged (layer 0, once)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -244,6 +247,8 @@ class QuantizedLatentLayer(DynamicLayer):
         s = c.shape[1]
         if s > 1 or self.cfg.validate:  # once at prefill; per token only in the debug mode (GPU syncs)
             check_tokens(self.cfg, c, r)
+        if s > 1 and self.record_past:
+            self._note_verify_step(s)
         sinks, recent = self._split(self.seen + s)
         n_sink = sinks - self.sink_c.length  # new tokens that are sinks (they come first)
         self.sink_c.append(c[:, :n_sink], check=False)
@@ -258,6 +263,21 @@ class QuantizedLatentLayer(DynamicLayer):
         self.seen += s
         return self._result(c, r, s)
 
+    def _note_verify_step(self, s: int) -> None:
+        """Say once (layer 0) when a recorded multi-token step, assisted decoding's verify, reads other precisions
+        than token-by-token decode would: it follows the prefill policy (its own tokens as computed, earlier ones as
+        stored), which differs once the request is longer than the windows."""
+        cfg = self.cfg
+        if self.layer_idx or self.verify_noted or not cfg.scheme.quantized or self.seen + s <= cfg.sink + cfg.recent:
+            return
+        self.verify_noted = True
+        logger.warning(
+            "quantmla cache %s: a recorded step of %d tokens at %d (assisted decoding's verify) reads with the prefill "
+            "policy (its own tokens as computed, earlier ones as stored); past the %d + %d windows that differs from "
+            "token-by-token decode, so its tokens can differ from plain greedy decoding through this cache",
+            cfg.scheme.name, s, self.seen, cfg.sink, cfg.recent,
+        )  # fmt: skip
+
     def get_seq_length(self) -> int:
         return self.seen
 
@@ -270,7 +290,7 @@ class QuantizedLatentLayer(DynamicLayer):
     def reset(self) -> None:
         self.seen = 0
         self.is_initialized = False
-        self._evicted = None
+        self.recorded_evictions = None
 
     # -- rollback (assisted / speculative decoding) ------------------------------------------------------
     def activate_past_recording(self, **kwargs) -> None:
@@ -282,7 +302,7 @@ class QuantizedLatentLayer(DynamicLayer):
 
     def _checkpoint(self) -> None:
         """Forget what was recorded: later crops can undo only what is appended from here on."""
-        self._evicted = None
+        self.recorded_evictions = None
         if self.is_initialized:
             self._set_mid_recording(self.record_past)
 
@@ -292,12 +312,15 @@ class QuantizedLatentLayer(DynamicLayer):
 
     def _record_eviction(self, c: torch.Tensor, r: torch.Tensor) -> None:
         if not self.record_past:
-            self._evicted = None
+            self.recorded_evictions = None
             return
-        if self._evicted is None:
-            self._evicted = (c.clone(), r.clone())
+        if self.recorded_evictions is None:
+            self.recorded_evictions = (c.clone(), r.clone())
         else:
-            self._evicted = (torch.cat([self._evicted[0], c], 1), torch.cat([self._evicted[1], r], 1))
+            self.recorded_evictions = (
+                torch.cat([self.recorded_evictions[0], c], 1),
+                torch.cat([self.recorded_evictions[1], r], 1),
+            )
 
     def _mid_truncation_error(self, length: int) -> str | None:
         return self.mid_c.truncation_error(length) or self.mid_r.truncation_error(length)
@@ -331,9 +354,9 @@ class QuantizedLatentLayer(DynamicLayer):
         n, n2 = self.seen, self.seen + tokens_to_remove
         if n2 < 0:
             raise ValueError(f"crop({tokens_to_remove}): cache layer {self.layer_idx} holds {n} tokens")
-        need_from, need_to = self._restore_span(n2)
+        need_from, need_to = self.restore_span(n2)
         end_mid = n - self.rec_c.shape[1]
-        kept = 0 if self._evicted is None else self._evicted[0].shape[1]
+        kept = 0 if self.recorded_evictions is None else self.recorded_evictions[0].shape[1]
         why = None
         if need_to > need_from and need_from < end_mid - kept:
             why = (f"tokens from position {need_from} left the recent window (quantised) before past recording "
@@ -345,7 +368,7 @@ class QuantizedLatentLayer(DynamicLayer):
                 "cache.activate_past_recording() before appending the tokens to be removed (transformers' assisted "
                 "decoding does), and crop at most the tokens appended since")  # fmt: skip
 
-    def _restore_span(self, n2: int) -> tuple[int, int]:
+    def restore_span(self, n2: int) -> tuple[int, int]:
         """``[from, to)``: the positions of the middle that are unquantised again once the layer holds ``n2`` tokens
         (the windows' split of ``n2``); empty when ``to <= from``. ``from - sinks`` is the middle's new length."""
         _, r2 = self._split(n2)
@@ -355,14 +378,14 @@ class QuantizedLatentLayer(DynamicLayer):
         """Bring the layer back to its first ``n2`` tokens (:meth:`crop_error` said it can)."""
         s, end_mid = self.sink_c.length, self.seen - self.rec_c.shape[1]
         s2 = min(s, n2)
-        need_from, need_to = self._restore_span(n2)
+        need_from, need_to = self.restore_span(n2)
         restore = max(0, need_to - need_from)
         back_c, back_r = self.rec_c[:, :0], self.rec_r[:, :0]
         if restore:
-            kept = self._evicted[0].shape[1]
+            kept = self.recorded_evictions[0].shape[1]
             start = need_from - (end_mid - kept)
-            back_c = self._evicted[0][:, start : start + restore]
-            back_r = self._evicted[1][:, start : start + restore]
+            back_c = self.recorded_evictions[0][:, start : start + restore]
+            back_r = self.recorded_evictions[1][:, start : start + restore]
         keep_rec = max(0, n2 - end_mid)
         self.rec_c = torch.cat([back_c, self.rec_c[:, :keep_rec]], 1)
         self.rec_r = torch.cat([back_r, self.rec_r[:, :keep_rec]], 1)
@@ -378,8 +401,8 @@ class QuantizedLatentLayer(DynamicLayer):
         for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r):
             st.map_batch(fn)
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
-        if self._evicted is not None:
-            self._evicted = (fn(self._evicted[0]), fn(self._evicted[1]))
+        if self.recorded_evictions is not None:
+            self.recorded_evictions = (fn(self.recorded_evictions[0]), fn(self.recorded_evictions[1]))
         self.batch = self.rec_c.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
