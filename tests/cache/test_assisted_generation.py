@@ -4,6 +4,7 @@ verifies drafted tokens in one multi-token step and ``crop``s the rejected ones.
 import pytest
 import torch
 
+from cache_reads import assert_same_reads
 from quantmla import QuantizedLatentCache, enable_latent_attention
 from quantmla.cache.latent_cache import QuantizedLatentLayer
 from quantmla.models.compat import cache_kwargs
@@ -83,10 +84,7 @@ class _Replay:
                                      page_size=cfg.page_size)  # fmt: skip
         for idx, key, value in self.calls:
             fresh.update(key, value, idx)
-        for la, lb in zip(self.cache.layers, fresh.layers, strict=True):
-            assert la.get_seq_length() == lb.get_seq_length()
-            for x, y in zip(la._view(torch.float32), lb._view(torch.float32), strict=True):
-                assert torch.equal(x, y)
+        assert_same_reads(self.cache, fresh)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
