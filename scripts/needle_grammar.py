@@ -6,7 +6,9 @@ a family (statement, key-value line, code, JSON record, dialogue or note, or a r
 and whose body states the value), a relation noun, a frame for the needle, a
 question intro and an answer cue. About half the cues repeat the needle's words before the value (a copy cue, as
 "kv-colon" and the held-out "kv-table" are); the rest ask in other words ("Answer:", "It is"), so the model has to find
-the needle by its key, not by its wording.
+the needle by its key, not by its wording. Given family weights (``--retrieval-families``), a seventh family, ``memo``,
+composes such records from parts (a header naming the key, an optional line, an opener, a body sentence stating the
+value, a sign-off) and asks in other words; without weights the six families are drawn uniformly, as before it existed.
 
 Nothing here may produce a held-out template: the relation nouns, field names and frames leave out the held-out
 templates' words and layouts (locker combinations, table rows, ``const`` declarations, device serials, mail subjects
@@ -15,12 +17,18 @@ and reference numbers); a test checks every piece of held-out text against a sam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from quantmla.eval.needles import NeedleTemplate
 
-#: the grammar's families (``record``: the key on a header line, the value in a sentence below it)
+#: the grammar's families (``record``: the key on a header line, the value in a sentence below it), drawn uniformly
 FAMILIES = ("statement", "kv", "code", "json", "dialogue", "record")
+#: families drawn only when weights are given: ``memo``, composed records (a header line naming the key, an optional
+#: line between, a body sentence stating the value; the question names the key in other words and its cue does not
+#: repeat the body's words before the value)
+WEIGHTED_FAMILIES = (*FAMILIES, "memo")
 #: relation nouns of the statement, dialogue and note families (none of the held-out templates' nouns)
 RELATIONS = (
     "access code", "passcode", "PIN", "ticket number", "order number", "account number", "room number",
@@ -93,6 +101,66 @@ _RECORD = (
 )  # fmt: skip
 
 
+# memo parts (none of the held-out e-mail's words: no subject line, greeting, sign-off or reference number)
+_MEMO_HEAD = ("Re: {key}", "Topic: {key}", "[{key}]", "File {key}", "Order {key}", "To: {key}", "Item: {key}",
+              "Thread {key}", "{key}:", "Name: {key}", "About {key}", "Title: {key}", "Log {key}",
+              "Project {key}")  # fmt: skip
+_MEMO_MID = ("", "", "\nStatus: done.", "\n(updated)", "\nPriority: low.", "\nSee below.")
+_MEMO_OPEN = ("", "Hi, ", "Note: ", "Dear all, ", "FYI, ", "Thanks. ", "Good news: ", "Quick update: ")
+_MEMO_BODY = ("the {rel} on record is {value}.", "its {rel} is {value}.", "we set the {rel} to {value}.",
+              "the {rel} you asked for is {value}.", "please note the {rel}: {value}.", "{rel} confirmed as {value}.",
+              "the assigned {rel} is {value}.", "we now use {value} as the {rel}.")  # fmt: skip
+_MEMO_CLOSE = ("", " Thanks", " Best", " Cheers", " See you")
+_MEMO_ASK = ("\nWhat {rel} did the note about {kq} give?", "\nWhich {rel} was given under {kq}?",
+             "\nWhat is the {rel} in the entry for {kq}?", "\nWhat {rel} was sent for {kq}?",
+             "\nFor {kq}, what {rel} was stated?", "\nWhat {rel} goes with {kq}?")  # fmt: skip
+_MEMO_CUE = (" The {rel} is", " The {rel} was", " Answer:", " It was", " The {rel} given was", " It is")
+
+
+def _memo(rng: np.random.Generator, rel: str, kq: str) -> tuple[str, str]:
+    """A composed record: ``(needle, question)``."""
+    head, mid, opener = _pick(rng, _MEMO_HEAD), _pick(rng, _MEMO_MID), _pick(rng, _MEMO_OPEN)
+    body, close = _pick(rng, _MEMO_BODY).replace("{rel}", rel), _pick(rng, _MEMO_CLOSE)
+    if not opener:
+        body = body[0].upper() + body[1:]
+    ask = _pick(rng, _MEMO_ASK).format(rel=rel, kq=kq) + _pick(rng, _MEMO_CUE).format(rel=rel)
+    return f"\n{head}{mid}\n{opener}{body}{close}\n", ask
+
+
+def _family(rng: np.random.Generator, weights: Mapping[str, float] | None) -> str:
+    """The family: uniform over :data:`FAMILIES` (the draw of runs made before weights existed), or by ``weights``
+    over :data:`WEIGHTED_FAMILIES` (a family not named has weight 0)."""
+    if weights is None:
+        return _pick(rng, FAMILIES)
+    check_weights(weights)
+    p = np.asarray([float(weights.get(f, 0.0)) for f in WEIGHTED_FAMILIES])
+    return WEIGHTED_FAMILIES[int(rng.choice(len(p), p=p / p.sum()))]
+
+
+def check_weights(weights: Mapping[str, float]) -> None:
+    """Refuse unknown families, negative weights and an all-zero draw (one line naming the bad value)."""
+    unknown = sorted(set(weights) - set(WEIGHTED_FAMILIES))
+    if unknown:
+        raise ValueError(f"family weights: unknown {', '.join(unknown)}; valid: {', '.join(WEIGHTED_FAMILIES)}")
+    bad = {f: w for f, w in weights.items() if not w >= 0.0}
+    if bad or not sum(weights.values()) > 0:
+        raise ValueError(f"family weights {dict(weights)}: each >= 0 and their sum > 0")
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``"memo=3,record=2,kv=1"`` -> a checked mapping (families not named get weight 0)."""
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value) if sep else float("")
+        except ValueError:
+            raise ValueError(f"family weights: {part!r} is not FAMILY=NUMBER; valid families: "
+                             f"{', '.join(WEIGHTED_FAMILIES)}") from None  # fmt: skip
+    check_weights(out)
+    return out
+
+
 def _key_form(rng: np.random.Generator) -> str:
     """How the question names the key: as written, in words, or as an identifier."""
     return ("{key}", "{key_words}", "{key_ident}")[int(rng.choice(3, p=(0.5, 0.3, 0.2)))]
@@ -102,9 +170,10 @@ def _pick(rng: np.random.Generator, options):
     return options[int(rng.integers(0, len(options)))]
 
 
-def generate(rng: np.random.Generator, index: int = 0) -> NeedleTemplate:
-    """One training template composed from the grammar (deterministic in ``rng``)."""
-    family = _pick(rng, FAMILIES)
+def generate(rng: np.random.Generator, index: int = 0, weights: Mapping[str, float] | None = None) -> NeedleTemplate:
+    """One training template composed from the grammar (deterministic in ``rng``); ``weights``: the families' relative
+    frequencies (checked by :func:`check_weights`; ``None``: uniform over :data:`FAMILIES`, the earlier runs' draw)."""
+    family = _family(rng, weights)
     rel = _pick(rng, RELATIONS)
     kq = _key_form(rng)
     copy = rng.random() < 0.5
@@ -134,6 +203,9 @@ def generate(rng: np.random.Generator, index: int = 0) -> NeedleTemplate:
             return NeedleTemplate(name, family, "train", needle, question, close='"', lead="")
         question = f'\nWhat is the {vf} of the {kf} "{kq}"? Answer:'
         return NeedleTemplate(name, family, "train", needle, question, close="", lead=" ")
+    if family == "memo":
+        needle, question = _memo(rng, rel, kq)
+        return NeedleTemplate(name, family, "train", needle, question)
     needle, question = _pick(rng, _DIALOGUE if family == "dialogue" else _RECORD)
     question = question.format(rel=rel, kq=kq, key="{key}")
     return NeedleTemplate(name, family, "train", needle.replace("{rel}", rel), question)

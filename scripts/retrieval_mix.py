@@ -9,7 +9,8 @@ retrieval sequences, as in RULER-style long-context training:
 * ``1..max_needles`` needles at random depths, each from a training template: one of the seven fixed training
   templates of :mod:`quantmla.eval.needles` (RULER's sentence among them) or, for ``generated`` of the pool, one
   composed by the grammar of ``needle_grammar.py`` (statements, key-value lines, code, JSON records, dialogue and
-  notes; copy cues and cues in other words); the pool comes in groups of four needles of one template and
+  notes; copy cues and cues in other words; ``family_weights`` draws its families, composed records among them, at
+  given frequencies instead of uniformly); the pool comes in groups of four needles of one template and
   different keys, and ``same_template`` of the rows take all their needles from one group, so the key, not the
   wording, tells the needles apart;
 * then, for a random subset of the needles (all of them in ``ask_all`` of the rows), each one's question and answer,
@@ -33,6 +34,7 @@ Everything is token-level splicing, like the evaluation's prompts, and determini
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +42,7 @@ import numpy as np
 from quantmla.eval.needles import TRAIN_WORDS, templates, train_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from needle_grammar import generate  # noqa: E402
+from needle_grammar import check_weights, generate  # noqa: E402
 
 WORDS = TRAIN_WORDS
 
@@ -69,13 +71,15 @@ class RetrievalMix:
 
     def __init__(self, tokenizer, train: np.ndarray, seq: int, max_needles: int = 8, pool: int = 4096,
                  seed: int = 0, generated: float = 0.0, same_template: float = 0.0, ask_all: float = 0.0,
-                 copy_rows: float = 0.0) -> None:  # fmt: skip
+                 copy_rows: float = 0.0, family_weights: Mapping[str, float] | None = None) -> None:  # fmt: skip
         if seq < 512:
             raise ValueError(f"seq={seq}: retrieval rows need at least 512 tokens")
         for name, share in (("generated", generated), ("same_template", same_template), ("ask_all", ask_all),
                             ("copy_rows", copy_rows)):  # fmt: skip
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name}={share}: a share in [0, 1]")
+        if family_weights is not None:
+            check_weights(family_weights)
         self.train, self.seq, self.max_needles, self.same_template = train, seq, max_needles, same_template
         self.ask_all, self.copy_rows = ask_all, copy_rows
         self.newline = np.asarray(tokenizer("\n", add_special_tokens=False)["input_ids"], dtype=np.int64)
@@ -83,7 +87,8 @@ class RetrievalMix:
         fixed = templates("train")
         groups = []
         for g in range(max(1, pool // self.GROUP)):
-            groups.append(generate(rng, g) if rng.random() < generated else fixed[int(rng.integers(0, len(fixed)))])
+            pick = rng.random() < generated
+            groups.append(generate(rng, g, family_weights) if pick else fixed[int(rng.integers(0, len(fixed)))])
         chosen = [t for t in groups for _ in range(self.GROUP)]
         keys = []
         for i in range(len(chosen)):  # distinct keys within a group

@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from needle_grammar import parse_weights  # noqa: E402
 from retrieval_mix import RetrievalMix  # noqa: E402
 
 
@@ -150,6 +151,14 @@ def evaluate(model, data: np.ndarray, seq: int, device, max_windows: int | None 
     return float(torch.stack(losses).sum() / (n * seq))
 
 
+def family_weights(text: str) -> dict[str, float]:
+    """``--retrieval-families``: the grammar's parse, its error as argparse's one-line usage error."""
+    try:
+        return parse_weights(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=Path, default=Path(".data/tokenizer-v2"))
@@ -163,6 +172,9 @@ def main() -> None:
     ap.add_argument("--retrieval-pool", type=int, default=16384, help="needles (key, value, template) to draw from")
     ap.add_argument("--retrieval-ask-all", type=float, default=0.0, help="share of rows asking every needle they state")
     ap.add_argument("--retrieval-copy", type=float, default=0.0, help="share of retrieval rows that are span copies")
+    ap.add_argument("--retrieval-families", type=family_weights, default=None, metavar="FAMILY=W,...",
+                    help="the grammar's families at these relative weights (e.g. memo=3,record=2,kv=1; "
+                    "unnamed: 0); default: uniform over the six original families")  # fmt: skip
     ap.add_argument("--init", type=Path, default=None, help="start from these weights (the family's architecture)")
     ap.add_argument("--keep", choices=("best", "last"), default="best",
                     help="ship the checkpoint of lowest validation loss, or the last one (fine-tuning)")  # fmt: skip
@@ -214,7 +226,7 @@ def main() -> None:
         mix = RetrievalMix(AutoTokenizer.from_pretrained(args.tokens), train, args.seq, pool=args.retrieval_pool,
                            seed=args.seed, generated=args.retrieval_generated,
                            same_template=args.retrieval_same_template, ask_all=args.retrieval_ask_all,
-                           copy_rows=args.retrieval_copy)  # fmt: skip
+                           copy_rows=args.retrieval_copy, family_weights=args.retrieval_families)  # fmt: skip
     it = batches(train, args.batch, args.seq, gen, mix, args.retrieval_share)
     curve, best = [], (float("inf"), -1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -77,14 +77,45 @@ def test_the_grammar_never_uses_a_held_out_word():
     """The held-out templates' own nouns and layouts stay out of every generated template."""
     grammar = load_script("scripts/needle_grammar.py")
     rng = np.random.default_rng(3)
+    every = dict.fromkeys(grammar.WEIGHTED_FAMILIES, 1.0)
     texts = [t.needle + t.question for t in (grammar.generate(rng, i) for i in range(3000))]
+    texts += [t.needle + t.question for t in (grammar.generate(rng, i, every) for i in range(3000))]
     for word in ("locker", "combination", "serial", "device", "reference number", "Subject:", "Regards", "const ",
                  "| ", "do not change"):  # fmt: skip
         assert not any(word in x for x in texts), word
     # every template formats (its placeholders are ones NeedleTemplate fills) and states the value once
-    for t in (grammar.generate(rng, i) for i in range(300)):
+    for t in [grammar.generate(rng, i) for i in range(300)] + [grammar.generate(rng, i, every) for i in range(300)]:
         needle, question, answer = t.texts("maple-otter", "4821-ab")
         assert needle.count("4821-ab") == 1 and "4821-ab" not in question and "{" not in needle.replace('{"', "")
+
+
+def test_family_weights_set_how_often_each_family_is_drawn(tok):
+    grammar = load_script("scripts/needle_grammar.py")
+    rng = np.random.default_rng(4)
+    drawn = [grammar.generate(rng, i, {"memo": 3.0, "kv": 1.0}).family for i in range(2000)]
+    assert set(drawn) == {"memo", "kv"}  # a family not named is never drawn
+    assert 0.72 < drawn.count("memo") / len(drawn) < 0.78  # 3 : 1 (binomial sd 0.01)
+    memos = [grammar.generate(rng, i, {"memo": 1.0}) for i in range(400)]
+    assert len({t.needle + t.question for t in memos}) > 300  # composed, not a few fixed frames
+    for t in memos:  # the key on its own line above the value's line; the cue does not quote the value's line
+        needle, question, answer = t.texts("maple-otter", "4821-ab")
+        lines = needle.strip("\n").split("\n")
+        assert "maple-otter" in lines[0] and "4821-ab" in lines[-1] and "maple-otter" not in lines[-1]
+        cue = question.split("?")[-1].strip()
+        before = lines[-1].split("4821-ab")[0].strip()
+        assert not before or not before.endswith(cue), (needle, question)
+    mix = _module().RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=256, seed=0, generated=1.0,
+                                 family_weights={"memo": 1.0})  # fmt: skip
+    assert set(mix.families) == {"memo"}
+    for bad, match in (({"memo": -1.0}, "each >= 0"), ({"letter": 1.0}, "unknown letter; valid: statement"),
+                       ({"kv": 0.0}, "sum > 0")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            grammar.generate(rng, 0, bad)
+        with pytest.raises(ValueError, match=match):
+            _module().RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=1024, family_weights=bad)
+    assert grammar.parse_weights("memo=3, record=2") == {"memo": 3.0, "record": 2.0}
+    with pytest.raises(ValueError, match="'memo' is not FAMILY=NUMBER"):
+        grammar.parse_weights("memo")
 
 
 def test_rows_of_one_template_tell_needles_apart_by_key(tok):
