@@ -2,7 +2,8 @@
 # The vLLM 0.26 serving runs on the H200 (device tool), from the tree: PYTHONPATH=src, vLLM's wheels in /tmp/site.
 #
 #   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (scripts/vllm_gpu_wheels.sh; its parts
-#                                              copied to /tmp/wheel-parts first) and quantmla's plugin entry point
+#                                              copied to /tmp/wheel-parts first; WHEELS=DIR: another bundle, e.g.
+#                                              vLLM 0.33's with torch 2.14) and quantmla's plugin entry point
 #   bash scripts/serving_gpu.sh kernels        the kernel and window tests on the GPU (against torch and float64)
 #   bash scripts/serving_gpu.sh sweep          the decode kernel the engine's way (engine_splits.py): fixed split
 #                                              counts SPLITS, float16 partials, the combine's steps CHUNKS and
@@ -40,7 +41,7 @@ mkdir -p "$out"
 [ -f /tmp/serving.json ] && [ ! -f "$out/serving.json" ] && cp /tmp/serving.json "$out/serving.json"
 case "${1:-}" in
 setup)
-  bash .wheels/install.sh
+  bash "${WHEELS:-.wheels}/install.sh"
   d=/tmp/site/quantmla_tree-0.dist-info
   mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: quantmla-tree\nVersion: 0\n' > "$d/METADATA"

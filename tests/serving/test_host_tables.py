@@ -39,15 +39,20 @@ class _Device:
 
 
 class _V2Tables:
-    def __init__(self, max_reqs: int, max_blocks: int, per: int) -> None:
-        self.blocks_per_kv_block = [per]
+    """``per``: kernel blocks a KV block (vLLM 0.26's ``blocks_per_kv_block``); ``None``: vLLM 0.33's tables,
+    which keep the manager's ids and have no such attribute."""
+
+    def __init__(self, max_reqs: int, max_blocks: int, per: int | None) -> None:
+        if per is not None:
+            self.blocks_per_kv_block = [per]
+        per = per or 1
         self.block_tables = [SimpleNamespace(gpu=torch.zeros(max_reqs, max_blocks * per, dtype=torch.int32))]
         self.num_blocks = SimpleNamespace(np=np.zeros((1, max_reqs), dtype=np.int32))
         self.input = torch.zeros(max_reqs, max_blocks * per, dtype=torch.int32)
 
     def append_block_ids(self, req_index: int, new_block_ids, overwrite: bool) -> None:
         start = self.num_blocks.np[0, req_index] if not overwrite else 0
-        ids, per = new_block_ids[0], self.blocks_per_kv_block[0]
+        ids, per = new_block_ids[0], getattr(self, "blocks_per_kv_block", [1])[0]
         if per > 1:
             ids = [b * per + k for b in ids for k in range(per)]
         self.block_tables[0].gpu[req_index, start : start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
@@ -78,7 +83,7 @@ def v2(monkeypatch):
     return tables_cls, runner_cls
 
 
-@pytest.mark.parametrize("per", [1, 4])
+@pytest.mark.parametrize("per", [1, 4, None])
 def test_v2_host_rows_equal_the_device_gather_over_many_steps(v2, per):
     tables_cls, runner_cls = v2
     tables = tables_cls(max_reqs=8, max_blocks=12, per=per)
@@ -126,3 +131,20 @@ def test_lengths_from_the_host_bound_only_when_exact():
                          seq_lens_cpu=torch.tensor([4, 8]))  # fmt: skip
     assert ht.host_seq_lens(cm, 2, exact_upper_bound=True).tolist() == [5, 9]
     assert ht.host_seq_lens(cm, 2, exact_upper_bound=False).tolist() == [4, 8]  # speculative decoding
+    # vLLM 0.33's metadata has no seq_lens_cpu: the device lengths, copied back (a logged sync)
+    copied = []
+    first_two = SimpleNamespace(device=SimpleNamespace(type="cuda"),
+                                cpu=lambda: copied.append(1) or torch.tensor([6, 11]))  # fmt: skip
+    cm033 = SimpleNamespace(seq_lens=_Sliced(first_two), seq_lens_cpu_upper_bound=torch.tensor([7, 12]))
+    assert ht.host_seq_lens(cm033, 2, exact_upper_bound=True).tolist() == [7, 12] and not copied
+    assert ht.host_seq_lens(cm033, 2, exact_upper_bound=False).tolist() == [6, 11] and copied == [1]
+
+
+class _Sliced:
+    """A device tensor stand-in whose slices are ``part`` (``device`` and ``cpu()``)."""
+
+    def __init__(self, part) -> None:
+        self.part, self.device = part, part.device
+
+    def __getitem__(self, i):
+        return self.part

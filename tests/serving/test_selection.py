@@ -168,6 +168,7 @@ def _config(model_type="deepseek_v3", **kw):
     cache = SimpleNamespace(cache_dtype=kw.get("dtype", "auto"), kv_offloading_size=kw.get("offload"))
     hf = SimpleNamespace(model_type=model_type, qk_rope_head_dim=64)
     return SimpleNamespace(parallel_config=par, cache_config=cache, kv_transfer_config=kw.get("transfer"),
+                           attention_config=SimpleNamespace(hisparse_config=kw.get("hisparse")),
                            model_config=SimpleNamespace(hf_text_config=hf))  # fmt: skip
 
 
@@ -178,6 +179,7 @@ def _config(model_type="deepseek_v3", **kw):
         ({"pcp": 4}, 64, "prefill_context_parallel_size=4"),
         ({"offload": 8}, 64, "kv_offloading_size=8: KV offloading"),
         ({"transfer": object()}, 64, "kv_transfer_config is set"),
+        ({"hisparse": object()}, 64, "hisparse_config is set .*serve without HiSparse"),
         ({"dtype": "fp8"}, 64, "kv_cache_dtype=fp8 with quantmla scheme c4r4.*leave kv_cache_dtype='auto'"),
         ({}, 32, "group_size=32 splits the RoPE key .*deepseek_v3.*group_size >= 64"),
     ],
@@ -223,6 +225,8 @@ def test_the_vllm_extras_pin_the_versions_the_plugin_supports():
 def test_an_unsupported_gpu_or_vllm_is_named():
     from quantmla.serving.vllm.compat import unsupported
 
-    assert unsupported("0.26.0", "cuda", (9, 0)) is None and unsupported("0.32.0", "cpu", None) is None
-    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.26.0", "cuda", (10, 0))
-    assert "this is vLLM 0.33.1 on cuda" in unsupported("0.33.1", "cuda", (9, 0))
+    for version, platform in (("0.26.0", "cuda"), ("0.33.0", "cuda"), ("0.32.0", "cpu")):
+        assert unsupported(version, platform, (9, 0) if platform == "cuda" else None) is None
+    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.33.0", "cuda", (10, 0))
+    assert "this is vLLM 0.34.0 on cuda" in unsupported("0.34.0", "cuda", (9, 0))
+    assert "this is vLLM 0.33.0 on cpu" in unsupported("0.33.0", "cpu", None)

@@ -1,6 +1,8 @@
 """The step's plans: the prefill context's slots and window marks against a loop over vLLM's chunked-context
 layout, made once a step and told apart by chunk."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -50,6 +52,37 @@ def test_context_slots_without_starts_read_from_position_zero():
     table, cu, to_seq, _ = _chunked_context(lens, [0, 0], seed=1)
     assert context_slots(ContextChunk(table, cu, to_seq, 9, BS)).slots.tolist() == _loop_reference(
         table, lens, [0, 0], WindowPolicy(0, 0), [9, 9])[0]  # fmt: skip
+
+
+def test_vllm_033_runs_of_requests_read_their_own_window_ends():
+    """vLLM 0.33 gathers each context chunk for a run of prefill requests: the block table sliced to the run,
+    ``token_to_seq`` and ``starts`` local to it. Each run's marks equal the loop over its requests at their own
+    ends; the ends of the whole step indexed by local request numbers (the bug this guards) mark other tokens."""
+    window = WindowPolicy(2, 3)
+    lens, starts, ends = [5, 3, 6, 4], [0, 4, 1, 0], [8, 12, 9, 30]
+    table, *_ = _chunked_context(lens, starts, seed=2)
+    all_ends = torch.tensor(ends)
+    chunks = []
+    for run in (slice(0, 2), slice(2, 4)):  # vLLM 0.33's ContextChunk, two runs of two requests
+        _, cu, to_seq, st = _chunked_context(lens[run], starts[run])
+        chunks.append(SimpleNamespace(request_slice=run, cu_seq_lens=cu, token_to_seq=to_seq, starts=st))
+    runs = sp.context_runs(SimpleNamespace(chunked_context=SimpleNamespace(chunks=chunks)))
+    assert list(runs.values()) == [slice(0, 2), slice(2, 4)]
+    for c in chunks:
+        r, n = c.request_slice, sum(lens[c.request_slice])
+        ends_run = sp.run_ends(all_ends, runs, c.cu_seq_lens)
+        plan = context_slots(ContextChunk(table[r], c.cu_seq_lens, c.token_to_seq, n, BS, c.starts, window, ends_run))
+        want_slots, want_marks = _loop_reference(table[r], lens[r], starts[r], window, ends[r])
+        assert plan.slots.tolist() == want_slots and plan.wanted.tolist() == want_marks
+        if r.start:  # the step's ends by local index: the first run's ends, other marks
+            stale = context_slots(ContextChunk(table[r], c.cu_seq_lens, c.token_to_seq, n, BS, c.starts, window,
+                                               all_ends))  # fmt: skip
+            assert stale.wanted.tolist() != want_marks
+    # vLLM 0.26: no runs (every chunk spans all prefills), the ends as given
+    old_chunk = SimpleNamespace(cu_seq_lens=chunks[1].cu_seq_lens)  # 0.26's chunks have no request_slice
+    assert sp.context_runs(SimpleNamespace(chunked_context=SimpleNamespace(chunks=[old_chunk]))) == {}
+    assert sp.run_ends(all_ends, {}, chunks[1].cu_seq_lens) is all_ends
+    assert sp.context_runs(SimpleNamespace(chunked_context=None)) == {}
 
 
 def test_window_and_ends_come_together():

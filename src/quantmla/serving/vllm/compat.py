@@ -7,7 +7,7 @@ import logging
 logger = logging.getLogger("vllm.quantmla")  # under vLLM's logger: its handler prints it
 
 #: (vLLM major.minor, platform) pairs the plugin is built and tested against (CUDA: FLASH_ATTN_MLA)
-SUPPORTED = (("0.32", "cpu"), ("0.26", "cuda"))
+SUPPORTED = (("0.32", "cpu"), ("0.26", "cuda"), ("0.33", "cuda"))
 #: the CUDA compute capability its kernels are built and tested for (Hopper)
 CUDA_CAPABILITY = (9, 0)
 

@@ -1,4 +1,4 @@
-"""quantmla's MLA backend for vLLM on CUDA (vLLM 0.26, Hopper): it takes the place of ``FLASH_ATTN_MLA``.
+"""quantmla's MLA backend for vLLM on CUDA (vLLM 0.26 and 0.33, Hopper): it takes the place of ``FLASH_ATTN_MLA``.
 
 ``FLASH_ATTN_MLA`` is vLLM's first MLA choice on sm_90, so the plugin overrides that registration.
 While the plugin is not asked for (:mod:`quantmla.serving.vllm.selection`), every method defers to
@@ -7,7 +7,7 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
 * :func:`patch_kv_cache_spec` makes every MLA layer ask for ``uint8`` pages of one
   :class:`~quantmla.formats.records.RecordLayout` record a token (324 bytes for C4R4 at 512 + 64),
   stored field-major in the page, so vLLM sizes its blocks from the record (vLLM 0.26 has no
-  ``customize_spec``);
+  ``customize_spec``; 0.33 sizes pages from the same spec);
 * ``do_kv_cache_update`` quantises and packs the new tokens into their slots, once, in one fused
   Triton launch (:func:`quantmla.kernels.write.write_records`; the torch path for ``fp8``/``c8r8``);
 * decode reads the pages in place through quantmla's Triton kernels
@@ -19,7 +19,8 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   and dequantised from the pages by one fused Triton launch a layer (:mod:`quantmla.kernels.gather`; the
   torch unpacking for ``fp8``/``c8r8``) through :func:`patch_context_gather`, the window tokens from
   their shadows; the slots it reads are planned by the step's first layer
-  (:mod:`quantmla.serving.vllm.step_plans`);
+  (:mod:`quantmla.serving.vllm.step_plans`); vLLM 0.33 gathers a chunk for a run of requests (its request
+  indices local to the chunk), so each chunk's window ends are that run's;
 * a request adding a few tokens to its context (at most
   :data:`~quantmla.serving.vllm.short_extends.SHORT_EXTEND_TOKENS`: a chunked prompt's last piece) attends as
   that many decode rows, one kernel row a token (:mod:`quantmla.serving.vllm.short_extends`), as
@@ -33,7 +34,7 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
 from __future__ import annotations
 
 import contextvars
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from vllm.model_executor.layers.attention.mla_attention import (
@@ -60,7 +61,7 @@ from quantmla.serving.vllm.plugin_state import (
     mla_geometry,
 )
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
-from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans
+from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_runs, run_ends
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
 #: block sizes the kernels page by (vLLM's block = one kernel page)
@@ -118,10 +119,19 @@ class QuantMLACUDABackend(FlashAttnMLABackend):
         return QuantMLACUDAImpl
 
     @staticmethod
-    def get_supported_kernel_block_sizes():
-        if current_selection() is None:
-            return FlashAttnMLABackend.get_supported_kernel_block_sizes()
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        if current_selection() is None:  # vLLM 0.33 passes the spec; 0.26 takes no argument
+            spec = () if kv_cache_spec is None else (kv_cache_spec,)
+            return FlashAttnMLABackend.get_supported_kernel_block_sizes(*spec)
         return list(BLOCK_SIZES)
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        """vLLM 0.33: whether a step may trim queries on the device only (adaptive draft verification); the window
+        plan and the short extends' rows are made from the host's query lengths, so not while quantmla serves."""
+        if current_selection() is not None:
+            return False
+        return super().supports_device_cpu_query_lens_mismatch()
 
 
 class QuantMLACUDAImpl(FlashAttnMLAImpl):
@@ -150,9 +160,11 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
                      " split partials in %s", "from its capture sizes" if sizes else "capture sizes unknown: half"
                      " its batch up", self.partial_dtype)  # fmt: skip
 
-    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, *rest) -> None:
+        # rest: vLLM 0.33's skip_scale (for its FP8 cache; records carry their own scales)
         if self.layout is None:
-            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+            return super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                              *rest)  # fmt: skip
         if kv_cache.numel() == 0:
             return None
         slots = slot_mapping.flatten()[: kv_c_normed.shape[0]].long()
@@ -176,7 +188,8 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
             step = getattr(attn_metadata, "windows", None)
             ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
             gather = ContextGather(self.layout, attn_metadata.plans, self.windows if ends is not None else None,
-                                   step, ends, fused=self.kernel and has_fused_gather(self.layout))  # fmt: skip
+                                   step, ends, fused=self.kernel and has_fused_gather(self.layout),
+                                   runs=context_runs(attn_metadata.prefill))  # fmt: skip
         token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
@@ -291,6 +304,7 @@ class ContextGather:
     step: object | None = None
     ends: torch.Tensor | None = None
     fused: bool = False  # through the fused Triton gather (:mod:`quantmla.kernels.gather`)
+    runs: dict[int, slice] = field(default_factory=dict)  # vLLM 0.33's chunks' request runs (step_plans.context_runs)
 
 
 def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
@@ -304,7 +318,7 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
         return
     window, ends = None, None
     if gather.windows is not None:
-        window, ends = gather.windows.cfg, gather.ends
+        window, ends = gather.windows.cfg, run_ends(gather.ends, gather.runs, cu_seq_lens)
     chunk = ContextChunk(block_table, cu_seq_lens, token_to_seq, n, src_cache.shape[1], seq_starts, window, ends)
     plan = gather.plans.context(chunk)
     slots, wanted = plan.slots, plan.wanted

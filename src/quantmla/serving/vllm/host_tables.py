@@ -78,10 +78,12 @@ def track_v2_block_tables(tables_cls) -> None:
 def mirror_block_ids(tables, req_index: int, new_block_ids) -> None:
     """Write the block ids vLLM just staged for request-state ``req_index`` into the host mirror of V2's
     ``BlockTables`` (``tables``): the row ends where vLLM's host count ``num_blocks.np`` now ends it, each
-    id expanded to the kernel's blocks as vLLM does."""
+    id expanded to the kernel's blocks as vLLM 0.26 does (0.33 keeps the manager's ids: no
+    ``blocks_per_kv_block``)."""
+    split = getattr(tables, "blocks_per_kv_block", None)
     for i, host in enumerate(tables.quantmla_host):
         ids = new_block_ids[i]
-        per = tables.blocks_per_kv_block[i]
+        per = 1 if split is None else split[i]
         if per > 1:
             ids = [b * per + k for b in ids for k in range(per)]
         end = int(tables.num_blocks.np[i, req_index])
@@ -139,4 +141,5 @@ def host_seq_lens(cm, n: int, exact_upper_bound: bool) -> np.ndarray:
         return bound[:n].numpy()
     log_once("quantmla windows: the step's lengths are taken from seq_lens_cpu (speculative decoding, or no host"
              " bound): under model runner V2 a sync")  # fmt: skip
-    return cm.seq_lens_cpu[:n].numpy()
+    host = getattr(cm, "seq_lens_cpu", None)  # vLLM 0.33 has none: the device lengths, copied back
+    return (cm.seq_lens[:n].cpu() if host is None else host[:n]).numpy()

@@ -197,6 +197,11 @@ def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
             "quantmla: kv_transfer_config is set (a KV connector: offloading, prefill/decode disaggregation): blocks"
             " loaded into reused slots would be read beside stale window shadows; serve without a KV connector"
         )
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is not None:
+        raise ValueError(
+            "quantmla: attention_config.hisparse_config is set (vLLM 0.33's HiSparse swaps the KV tensor before the"
+            " cache write, so quantmla's records would go to its buffer); serve without HiSparse"
+        )
     dtype = getattr(cache, "cache_dtype", "auto")
     if str(dtype) != "auto":
         raise ValueError(

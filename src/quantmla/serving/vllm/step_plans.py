@@ -85,6 +85,21 @@ def context_slots(chunk: ContextChunk) -> ContextSlots:
     return ContextSlots(slots, wanted)
 
 
+def context_runs(prefill) -> dict[int, slice]:
+    """vLLM 0.33 gathers the prefill context in chunks that each cover a run of prefill requests, with request
+    indices local to the run (``chunk.request_slice``); the runs by the identity of each chunk's ``cu_seq_lens``,
+    the tensor vLLM passes to the gather. Empty for vLLM 0.26, whose every chunk spans all prefill requests."""
+    chunks = getattr(getattr(prefill, "chunked_context", None), "chunks", None) or ()
+    return {id(c.cu_seq_lens): c.request_slice for c in chunks if getattr(c, "request_slice", None) is not None}
+
+
+def run_ends(ends: torch.Tensor | None, runs: dict[int, slice], cu_seq_lens) -> torch.Tensor | None:
+    """The window ends (each prefill request's length after the step) of the requests of the chunk that
+    ``cu_seq_lens`` belongs to, indexed as the chunk's ``token_to_seq`` indexes them."""
+    run = runs.get(id(cu_seq_lens))
+    return ends if run is None or ends is None else ends[run]
+
+
 class StepPlans:
     """One step's plans, each made by the first layer that asks and returned to the others."""
 
