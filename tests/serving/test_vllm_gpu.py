@@ -1,4 +1,4 @@
-"""quantmla's vLLM plugin on CUDA (vLLM 0.26, sm_90) against vLLM's own FLASH_ATTN_MLA, in BF16, on a
+"""quantmla's vLLM plugin on CUDA (vLLM 0.26 or 0.33, sm_90) against vLLM's own FLASH_ATTN_MLA, in BF16, on a
 random DeepSeek-V2 of DeepSeek's MLA dimensions (512 + 64, heads of 128 + 64 / 128: vLLM's CUDA prefill
 accepts no others, so not the bundled model). The engines run as served: torch.compile and CUDA graphs (decode
 replayed in full graphs), chunked prefill on; one C4R4 engine runs eager as the graphs' reference. Skips without a
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU and vLLM 0.26", allow_module_level=True)
-vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 on CUDA")
+    pytest.skip("needs a CUDA GPU and vLLM (0.26 or 0.33)", allow_module_level=True)
+vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 or 0.33 on CUDA")
 
 from vllm_reference import max_abs_diff, mean_abs_diff, teacher_forced_logprobs  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""quantmla's export of an FP8 block-quantised DeepSeek-V3-config checkpoint, served by vLLM (0.26, CUDA): the export
+"""quantmla's export of an FP8 block-quantised DeepSeek-V3-config checkpoint, served by vLLM (0.26 or 0.33, CUDA): the export
 with re-quantised FP8 tensors and the ``--keep-bf16`` one both load in vLLM's FP8 DeepSeek loader, and with the
 C4R4 cache from their ``quantmla.json`` they are as close to quantmla's own teacher-forced logprobs (the export
 read by ``quantmla.models.loading``, BF16 on the same GPU) as vLLM serving the source checkpoint is to quantmla's of
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU and vLLM 0.26", allow_module_level=True)
-vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 on CUDA")
+    pytest.skip("needs a CUDA GPU and vLLM (0.26 or 0.33)", allow_module_level=True)
+vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 or 0.33 on CUDA")
 # vLLM 0.26 JIT-compiles DeepGEMM for ~1,400 shapes before serving an FP8 model (5 minutes on an H100); the test
 # needs only the shapes it runs, compiled on first use
 os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
