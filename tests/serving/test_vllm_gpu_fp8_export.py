@@ -1,6 +1,6 @@
-"""quantmla's export of an FP8 block-quantised DeepSeek-V3-config checkpoint, served by vLLM (0.26 or 0.33, CUDA): the export
-with re-quantised FP8 tensors and the ``--keep-bf16`` one both load in vLLM's FP8 DeepSeek loader, and with the
-C4R4 cache from their ``quantmla.json`` they are as close to quantmla's own teacher-forced logprobs (the export
+"""quantmla's export of an FP8 block-quantised DeepSeek-V3-config checkpoint, served by vLLM (0.26 or 0.33, CUDA):
+the export with re-quantised FP8 tensors and the ``--keep-bf16`` one both load in vLLM's FP8 DeepSeek loader, and
+with the C4R4 cache from their ``quantmla.json`` they are as close to quantmla's own teacher-forced logprobs (the export
 read by ``quantmla.models.loading``, BF16 on the same GPU) as vLLM serving the source checkpoint is to quantmla's of
 the source. Skips without a GPU and vLLM; on the H200: ``bash scripts/serving_gpu.sh test``."""
 
