@@ -33,6 +33,12 @@
 #                                              requests, the server's quantmla log lines, then the server stops
 # Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
 set -euo pipefail
+# TRIAL_VLLM=0.33: the first GPU runs of a vLLM the plugin's CUDA path is written for but not yet listed as supported
+# (compat.SUPPORTED): this machine's copy of the tree lists it for the run
+if [ -n "${TRIAL_VLLM:-}" ]; then
+  sed -i "s/^SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"))/SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"), (\"$TRIAL_VLLM\", \"cuda\"))/" src/quantmla/serving/vllm/compat.py
+  grep -q "\"$TRIAL_VLLM\", \"cuda\"" src/quantmla/serving/vllm/compat.py || { echo "TRIAL_VLLM: compat.SUPPORTED not as expected" >&2; exit 2; }
+fi
 export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 # the test process may have initialised CUDA before vLLM forks its engine core
 export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}

@@ -225,8 +225,8 @@ def test_the_vllm_extras_pin_the_versions_the_plugin_supports():
 def test_an_unsupported_gpu_or_vllm_is_named():
     from quantmla.serving.vllm.compat import unsupported
 
-    for version, platform in (("0.26.0", "cuda"), ("0.33.0", "cuda"), ("0.32.0", "cpu")):
+    for version, platform in (("0.26.0", "cuda"), ("0.32.0", "cpu")):
         assert unsupported(version, platform, (9, 0) if platform == "cuda" else None) is None
-    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.33.0", "cuda", (10, 0))
-    assert "this is vLLM 0.34.0 on cuda" in unsupported("0.34.0", "cuda", (9, 0))
+    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.26.0", "cuda", (10, 0))
+    assert "this is vLLM 0.33.0 on cuda" in unsupported("0.33.0", "cuda", (9, 0))  # not yet run on a GPU
     assert "this is vLLM 0.33.0 on cpu" in unsupported("0.33.0", "cpu", None)
