@@ -35,6 +35,11 @@ SKIPS: dict[str, str] = {
         "asserts that a model loaded without attn_implementation dispatches to 'sdpa'; this plugin exists to make "
         "every such model use 'quantmla_latent' (a test asking for an implementation by name gets it)"
     ),
+    "test_generate_compile_model_forward_fullgraph": (
+        "its eager half asserts that generate's default cache is a DynamicCache, the cache this plugin replaces "
+        "with QuantizedLatentCache; its compiled half (cache_implementation='static', fullgraph, no recompiles, "
+        "transformers' greedy tokens) runs on latent attention in tests/models/test_latent_attention.py"
+    ),
 }
 
 

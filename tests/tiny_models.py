@@ -99,14 +99,18 @@ def tiny_config(name: str):
 
 
 def tiny_model(
-    name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa"
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    experts_implementation: str | None = "eager",
 ) -> PreTrainedModel:
-    """A randomly initialised tiny model of family ``name`` in eval mode."""
+    """A randomly initialised tiny model of family ``name`` in eval mode (``experts_implementation=None``:
+    transformers' default for the family)."""
     config = tiny_config(name)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        config, attn_implementation=attn_implementation, experts_implementation="eager"
-    )
+    experts = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, **experts)
     with torch.no_grad():  # random weights large enough that attention is far from uniform
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):

@@ -147,3 +147,31 @@ def test_assisted_decoding_matches_transformers(name):
     expected = ref.generate(**kw)
     assert torch.equal(lat.generate(**kw, assistant_model=assistant), expected)
     assert torch.equal(lat.generate(**kw, assistant_model=enable_latent_attention(assistant)), expected)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_static_cache_generate_compiles_to_one_full_graph(name):
+    """transformers' ``test_generate_compile_model_forward_fullgraph``, compiled half, on latent attention: generate
+    with ``cache_implementation="static"`` compiles the decode forward with ``fullgraph=True, dynamic=False`` (a graph
+    break or a dynamic shape is an error), gives transformers' own greedy tokens, and a second input of the same shape
+    runs without recompiling (``fail_on_recompile``)."""
+    from transformers import CompileConfig
+
+    ref = tiny_model(name, experts_implementation=None)  # float32: the default grouped experts take no float64
+    lat = enable_latent_attention(copy.deepcopy(ref))
+    config = CompileConfig(fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # compile on CPU too, as transformers' test does
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    inputs = [torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    torch.compiler.reset()
+    try:
+        for i, ids in enumerate(inputs):
+            mask = torch.ones_like(ids)
+            expected = ref.generate(input_ids=ids, attention_mask=mask, **kw)
+            with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+                out = lat.generate(input_ids=ids, attention_mask=mask, cache_implementation="static",
+                                   compile_config=config, **kw)  # fmt: skip
+            assert torch.equal(out, expected), i
+            assert hasattr(lat, "_compiled_call")  # the forward ran compiled
+    finally:
+        torch.compiler.reset()
