@@ -38,6 +38,8 @@ set -euo pipefail
 if [ -n "${TRIAL_VLLM:-}" ]; then
   sed -i "s/^SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"))/SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"), (\"$TRIAL_VLLM\", \"cuda\"))/" src/quantmla/serving/vllm/compat.py
   grep -q "\"$TRIAL_VLLM\", \"cuda\"" src/quantmla/serving/vllm/compat.py || { echo "TRIAL_VLLM: compat.SUPPORTED not as expected" >&2; exit 2; }
+  # vLLM 0.33's torch 2.14 is built with cuDNN 9.24; the image has 9.19 (scripts/vllm033_gpu_wheels.sh)
+  export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 fi
 export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 # the test process may have initialised CUDA before vLLM forks its engine core

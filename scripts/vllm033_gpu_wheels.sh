@@ -12,8 +12,13 @@
 # stand in for torch 2.14's nvidia-* pins. Left out of the vllm wheel (321 -> 170 MiB): FlashAttention-2 (FA3 runs
 # on sm_90), the Rust frontend vllm-rs, the SM100 FMHA kernels; of the triton wheel (237 -> 152 MiB): CUPTI,
 # ptxas-blackwell (sm_100 and up), the proton profiler and an instrumentation test library.
+# The image's CUDA stack against torch 2.14's pins (read there, 2026-12-07): CUDA 13.0 runtime, cuBLAS, cuFFT, cuRAND,
+# cuSOLVER, cuSPARSE, nvJitLink, NVTX and nvshmem match or are newer within 13.x; cuDNN is 9.19 (torch wants 9.24:
+# serving_gpu.sh sets PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 for a TRIAL_VLLM run; vLLM's MLA path calls no cuDNN);
+# NCCL is 2.28.9 (2.30.7 wanted), lacking 11 symbols libtorch_cuda.so imports (ncclCommGrow, ncclCommSuspend,
+# ncclPutSignal, ...), which torch binds lazily and a one-GPU engine never calls.
 # Then, over one warm machine: one GPU run per part (the plan wheel-bundle prints), the last one running
-# `WHEELS=.wheels033 bash scripts/serving_gpu.sh setup`.
+# `TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools=${QUANTMLA_SHARED_TOOLS:-../shared/tools}
