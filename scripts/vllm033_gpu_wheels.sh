@@ -37,11 +37,13 @@ slim() {  # SRC DST PATTERN...: the wheel without the matching entries, and with
   cp "$src" "$dst" && zip -q -d "$dst" "$@"
   local rec tmp; rec=$(unzip -Z1 "$dst" | grep '\.dist-info/RECORD$'); tmp=$(mktemp -d)
   mkdir -p "$tmp/$(dirname "$rec")"
+  unzip -Z1 "$dst" > "$tmp/names"
   unzip -p "$dst" "$rec" | python3 -c '
 import csv, sys
-names = set(sys.argv[1].split("\n"))
+names = set(open(sys.argv[1]).read().split("\n"))
 rows = [r for r in csv.reader(sys.stdin) if r and (r[0] in names or r[0].endswith("/RECORD"))]
-csv.writer(sys.stdout, lineterminator="\n").writerows(rows)' "$(unzip -Z1 "$dst")" > "$tmp/$rec"
+csv.writer(sys.stdout, lineterminator="\n").writerows(rows)' "$tmp/names" > "$tmp/$rec"
+  rm -f "$tmp/names"
   (cd "$tmp" && zip -q "$OLDPWD/$dst" "$rec"); rm -rf "$tmp"
 }
 for w in .wheels-src-033/*.whl; do
