@@ -8,7 +8,8 @@ question intro and an answer cue. About half the cues repeat the needle's words 
 "kv-colon" and the held-out "kv-table" are); the rest ask in other words ("Answer:", "It is"), so the model has to find
 the needle by its key, not by its wording. Given family weights (``--retrieval-families``), a seventh family, ``memo``,
 composes such records from parts (a header naming the key, an optional line, an opener, a body sentence stating the
-value, a sign-off) and asks in other words; without weights the six families are drawn uniformly, as before it existed.
+value, a sign-off) and asks in other words, and an eighth, ``delimited``, writes rows of fields between
+delimiters; without weights the six families are drawn uniformly, as before these existed.
 
 Nothing here may produce a held-out template: the relation nouns, field names and frames leave out the held-out
 templates' words and layouts (locker combinations, table rows, ``const`` declarations, device serials, mail subjects
@@ -27,8 +28,9 @@ from quantmla.eval.needles import NeedleTemplate
 FAMILIES = ("statement", "kv", "code", "json", "dialogue", "record")
 #: families drawn only when weights are given: ``memo``, composed records (a header line naming the key, an optional
 #: line between, a body sentence stating the value; the question names the key in other words and its cue does not
-#: repeat the body's words before the value)
-WEIGHTED_FAMILIES = (*FAMILIES, "memo")
+#: repeat the body's words before the value); ``delimited``, rows of fields between delimiters (the key, the value,
+#: sometimes a third field), asked mostly with the row's start as the cue, so the answer ends at the next delimiter
+WEIGHTED_FAMILIES = (*FAMILIES, "memo", "delimited")
 #: relation nouns of the statement, dialogue and note families (none of the held-out templates' nouns)
 RELATIONS = (
     "access code", "passcode", "PIN", "ticket number", "order number", "account number", "room number",
@@ -127,6 +129,25 @@ def _memo(rng: np.random.Generator, rel: str, kq: str) -> tuple[str, str]:
     return f"\n{head}{mid}\n{opener}{body}{close}\n", ask
 
 
+# delimited rows (no "|": the held-out table's delimiter)
+_DELIMS = ("/", "#", "+", ";", "~", "!", "::", "*", "^", "%", "=>", "<>")
+_DELIM_EXTRA = ("", "", "ok", "done", "new", "2024", "x")
+_DELIM_ASK = ("\nWhich entry above belongs to {kq}?", "\nWhat is written next to {kq} above?",
+              "\nFind {kq} in the rows above.", "\nRead the line of {kq} again:",
+              "\nCopy the row for {kq}:")  # fmt: skip
+
+
+def _delimited(rng: np.random.Generator, kq: str, copy: bool) -> tuple[str, str, str, str]:
+    """A delimited row: ``(needle, question, close, lead)``."""
+    d, extra = _pick(rng, _DELIMS), _pick(rng, _DELIM_EXTRA)
+    start = f"{d} " if rng.random() < 0.7 else ""
+    tail = f" {d} {extra} {d}" if extra else f" {d}"
+    needle = f"\n{start}{{key}} {d} {{value}}{tail}\n"
+    if copy:
+        return needle, _pick(rng, _DELIM_ASK).format(kq=kq) + f"\n{start}{{key}} {d}", f" {d}", " "
+    return needle, _pick(rng, _DELIM_ASK[:3]).format(kq=kq) + " Answer:", "", " "
+
+
 def _family(rng: np.random.Generator, weights: Mapping[str, float] | None) -> str:
     """The family: uniform over :data:`FAMILIES` (the draw of runs made before weights existed), or by ``weights``
     over :data:`WEIGHTED_FAMILIES` (a family not named has weight 0)."""
@@ -206,6 +227,9 @@ def generate(rng: np.random.Generator, index: int = 0, weights: Mapping[str, flo
     if family == "memo":
         needle, question = _memo(rng, rel, kq)
         return NeedleTemplate(name, family, "train", needle, question)
+    if family == "delimited":
+        needle, question, close, lead = _delimited(rng, kq, rng.random() < 0.8)
+        return NeedleTemplate(name, family, "train", needle, question, close=close, lead=lead)
     needle, question = _pick(rng, _DIALOGUE if family == "dialogue" else _RECORD)
     question = question.format(rel=rel, kq=kq, key="{key}")
     return NeedleTemplate(name, family, "train", needle.replace("{rel}", rel), question)

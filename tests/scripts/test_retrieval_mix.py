@@ -104,6 +104,16 @@ def test_family_weights_set_how_often_each_family_is_drawn(tok):
         cue = question.split("?")[-1].strip()
         before = lines[-1].split("4821-ab")[0].strip()
         assert not before or not before.endswith(cue), (needle, question)
+    rows = [grammar.generate(rng, i, {"delimited": 1.0}) for i in range(300)]
+    assert len({t.needle + t.question for t in rows}) > 100
+    for t in rows:  # a copy cue is the row up to the value; the answer ends at the row's next delimiter
+        needle, question, answer = t.texts("maple-otter", "4821-ab")
+        line = needle.strip("\n")
+        if not question.endswith("Answer:"):
+            cue = question.split("\n")[-1]
+            assert line.startswith(cue + answer), (line, cue, answer)
+            assert answer.startswith(" 4821-ab ") and line.endswith(answer.split()[-1])
+    assert {t.question.endswith("Answer:") for t in rows} == {True, False}  # both kinds of cue
     mix = _module().RetrievalMix(tok, np.arange(2, 3000, dtype=np.uint16), seq=1024, pool=256, seed=0, generated=1.0,
                                  family_weights={"memo": 1.0})  # fmt: skip
     assert set(mix.families) == {"memo"}
