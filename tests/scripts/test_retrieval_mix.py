@@ -83,6 +83,13 @@ def test_the_grammar_never_uses_a_held_out_word():
     for word in ("locker", "combination", "serial", "device", "reference number", "Subject:", "Regards", "const ",
                  "| ", "do not change"):  # fmt: skip
         assert not any(word in x for x in texts), word
+    import re
+
+    joined = " ".join(texts)  # nor any held-out template's fixed text (its words between placeholders)
+    for t in needles.templates("heldout"):
+        for piece in re.split(r"\{[a-z_]+\}", t.needle + t.question):
+            if len(piece.strip()) >= 12:
+                assert piece.strip() not in joined, (t.name, piece)
     # every template formats (its placeholders are ones NeedleTemplate fills) and states the value once
     for t in [grammar.generate(rng, i) for i in range(300)] + [grammar.generate(rng, i, every) for i in range(300)]:
         needle, question, answer = t.texts("maple-otter", "4821-ab")
