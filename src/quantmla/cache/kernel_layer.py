@@ -137,9 +137,7 @@ class KernelLatentLayer(QuantizedLatentLayer):
         self.store, self.block_table, self.free_page = pool, bt, b_new * used
         for st in (self.sink_c, self.sink_r):
             st.map_batch(fn)
-        self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
-        if self.recorded_evictions is not None:
-            self.recorded_evictions = (fn(self.recorded_evictions[0]), fn(self.recorded_evictions[1]))
+        self._map_windows(fn)
         self.batch = b_new
 
     def _result(self, c: torch.Tensor, r: torch.Tensor, s: int):

@@ -131,9 +131,8 @@ class QuantizedLatentLayer(DynamicLayer):
         #: transformers' flag (``Cache.is_recording_past`` reads it): while set, the tokens that leave the recent
         #: window are also kept unquantised until the next ``crop``, so that ``crop`` can undo their eviction
         self.record_past = False
-        self.recorded_evictions: tuple[torch.Tensor, torch.Tensor] | None = (
-            None  # (latent, RoPE key) since the checkpoint
-        )
+        #: (latent, RoPE key) of the tokens that left the window since the checkpoint, while recording
+        self.recorded_evictions: tuple[torch.Tensor, torch.Tensor] | None = None
         self.verify_noted = False  # the verify-step warning was logged (layer 0, once)
 
     @property
@@ -400,10 +399,14 @@ class QuantizedLatentLayer(DynamicLayer):
             return
         for st in (self.sink_c, self.sink_r, self.mid_c, self.mid_r):
             st.map_batch(fn)
+        self._map_windows(fn)
+        self.batch = self.rec_c.shape[0]
+
+    def _map_windows(self, fn) -> None:
+        """The recent window's rows, and the evictions recorded for ``crop``, through ``fn`` (a batch map)."""
         self.rec_c, self.rec_r = fn(self.rec_c), fn(self.rec_r)
         if self.recorded_evictions is not None:
             self.recorded_evictions = (fn(self.recorded_evictions[0]), fn(self.recorded_evictions[1]))
-        self.batch = self.rec_c.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
