@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from quantmla import QuantizedLatentCache, disable_latent_attention, enable_latent_attention
+from quantmla.measure.simulate import simulated_decode
 from quantmla.models import ATTN_IMPLEMENTATION, is_latent_attention_enabled
 from quantmla.models.compat import cache_kwargs
 from tiny_models import TINY_CONFIGS, tiny_model
@@ -14,6 +15,7 @@ from tiny_models import TINY_CONFIGS, tiny_model
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 NAMES = sorted(TINY_CONFIGS)
 SOFTMAX_TOL = 1e-6  # some families' eager reference takes its softmax in float32 (seen: 7.7e-8)
+DROPOUT_TOL = 1e-5  # the same, carried through a training forward (logits, gradients relative to their largest)
 
 
 def _pair(name, dtype):
@@ -175,3 +177,37 @@ def test_static_cache_generate_compiles_to_one_full_graph(name):
             assert hasattr(lat, "_compiled_call")  # the forward ran compiled
     finally:
         torch.compiler.reset()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_dropout_in_training_drops_as_eager_does(name):
+    """Training with attention dropout (transformers' training tests run with it): the same probabilities dropped
+    as transformers' eager attention for the same seed, so logits and gradients equal eager's in float64; a
+    quantised decode path refuses dropout with one message."""
+    ref, lat = _pair(name, torch.float64)
+    ref.set_attn_implementation("eager")
+    for model in (ref, lat):
+        for module in model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.4
+        model.train()
+    ids = torch.randint(3, 256, (2, 11))
+    grads = []
+    for model in (ref, lat):
+        model.zero_grad()
+        torch.manual_seed(7)
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        if model is ref:
+            want = logits.detach()
+    assert (logits.detach() - want).abs().max().item() <= DROPOUT_TOL
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads, strict=True):
+        assert (a - b).abs().max().item() <= DROPOUT_TOL * a.abs().max().item()
+    lat.eval()
+    with torch.no_grad():  # the dropout was active: evaluation mode (no dropout) gives other logits
+        assert (lat(ids).logits - want).abs().max().item() > 1e-3
+    lat.train()
+    with simulated_decode(lat, "c4r4"), pytest.raises(NotImplementedError, match="attention dropout"):
+        lat(ids)  # the decode-cache simulation attends without dropout: refused, not silently undropped

@@ -78,12 +78,15 @@ def absorbed_attention(
     scale: float,
     mask: torch.Tensor | None,
     return_probs: bool = False,
+    dropout: float = 0.0,
 ):
     """Reference absorbed MLA attention.
 
     Shapes: ``q_nope [B,H,S,d_n]``, ``q_pe [B,H,S,d_r]``, ``latent [B,1,L,d_c]``,
     ``rope_key [B,1,L,d_r]``, ``w_uk [H,d_n,d_c]``, ``w_uv [H,d_v,d_c]``; ``mask`` boolean
     ``[B or 1,1,S,L]`` (True = attend), additive float, or None (causal, aligned to the end).
+    ``dropout > 0`` drops attention probabilities as transformers' eager attention does in training (after the
+    softmax, before the values; the probabilities returned are the dropped ones, as eager returns them).
     Returns ``[B,S,H,d_v]``, and with ``return_probs`` also the attention probabilities ``[B,H,S,L]``.
     """
     q_lat = torch.einsum("bhsd,hdc->bhsc", q_nope, w_uk.to(q_nope.dtype))
@@ -100,6 +103,8 @@ def absorbed_attention(
         else:
             scores = scores + mask.to(acc)
     probs = torch.softmax(scores, dim=-1).to(latent.dtype)
+    if dropout > 0:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
     o_lat = probs @ latent  # [B,H,S,d_c]
     out = torch.einsum("bhsc,hvc->bhsv", o_lat, w_uv.to(o_lat.dtype)).transpose(1, 2).contiguous()
     return (out, probs) if return_probs else out
@@ -126,10 +131,9 @@ def latent_attention_forward(
             f"{type(module).__name__} runs with attn_implementation={ATTN_IMPLEMENTATION!r} but latent "
             "attention was not enabled on it; call quantmla.enable_latent_attention(model)"
         )
-    if dropout and module.training:
-        raise NotImplementedError("latent attention is an inference path: attention dropout is not supported")
+    dropout = dropout if module.training else 0.0  # (the families pass their rate only in training already)
     with onloaded(state.adapter.kv_b_proj(module)):  # its weights are read here, its forward never runs
-        return _latent_attention(module, state, query, key, value, attention_mask, scaling, **kwargs)
+        return _latent_attention(module, state, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 @contextmanager
@@ -147,7 +151,7 @@ def onloaded(module: nn.Module) -> Iterator[None]:
         hook.post_forward(module, None)
 
 
-def _latent_attention(module, state, query, key, value, attention_mask, scaling, **kwargs):
+def _latent_attention(module, state, query, key, value, attention_mask, scaling, dropout, **kwargs):
     adapter = state.adapter
     nope = module.qk_nope_head_dim
     q_nope, q_pe = query[..., :nope], query[..., nope:]
@@ -155,6 +159,11 @@ def _latent_attention(module, state, query, key, value, attention_mask, scaling,
     want_probs = bool(kwargs.get("output_attentions", False))
     w_uk, w_uv = adapter.w_uk(module), adapter.w_uv(module)
     backend = _decode_backend(state.cache, module.layer_idx)  # a decode step the cache attends itself
+    if dropout and (backend is not None or state.simulation is not None):
+        raise NotImplementedError(
+            f"attention dropout ({dropout}, training mode) through a quantised decode path: call model.eval() "
+            "to decode, or train without the fused cache backend and the decode-cache simulation"
+        )
     if backend is not None:
         if want_probs:
             raise NotImplementedError(
@@ -167,7 +176,11 @@ def _latent_attention(module, state, query, key, value, attention_mask, scaling,
             raise NotImplementedError("output_attentions=True is not available under the decode-cache simulation")
         return state.simulation.attend(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
     if want_probs:
-        return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=True)
+        return absorbed_attention(
+            q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=True, dropout=dropout
+        )
+    if dropout:  # the absorbed form drops the probabilities it forms, as eager attention does
+        return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, dropout=dropout), None
     s, l_kv = q_nope.shape[-2], key.shape[-2]
     cheaper = expanded_is_cheaper(s, l_kv, key.shape[-1], nope, q_pe.shape[-1], w_uv.shape[1])  # many queries
     if cheaper and not _has_tangent(query, key, value):  # (the fused kernels have no forward-mode derivative)
