@@ -7,6 +7,8 @@
 # TRANSFORMERS_CHECKOUT: a checkout of transformers at the tag of the installed version, e.g.
 #   git clone --depth 1 -b v$(python -c 'import transformers; print(transformers.__version__)') \
 #       https://github.com/huggingface/transformers
+#   (or a tree assembled from the PyPI sdist's common tests and the nearest model and generation tests, as in
+#   docs/notebook.md, 2026-12-07: test ids that fail there without the plugin too are version skew)
 # Settings (environment): QUANTMLA_HF_SCHEME (c4r4), QUANTMLA_HF_SINK / QUANTMLA_HF_RECENT (4 / 128: the test
 # sequences are shorter than the windows, so nothing is quantised; 0 / 0 quantises every token),
 # QUANTMLA_HF_GROUP (auto). QUANTMLA_HF_BASELINE=1 runs the same selection without the plugin.
