@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vLLM 0.33's wheels for the GPU machine (torch 2.14.0 with CUDA 13.0, triton 3.8.0), slimmed and packed into 13 parts of 56 MiB.
+# vLLM 0.33's wheels for the GPU machine (torch 2.14.0 with CUDA 13.0, triton 3.8.0), slimmed and packed into 13
+# parts of 56 MiB (scripts/pack_wheels.sh).
 #
 #   bash scripts/vllm033_gpu_wheels.sh     downloads the new wheels into .wheels-src-033, takes the rest of the set
 #                                          from .wheels-slim (scripts/vllm_gpu_wheels.sh: the 0.26 set, at versions
@@ -17,7 +18,7 @@
 # serving_gpu.sh sets PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 for a TRIAL_VLLM run; vLLM's MLA path calls no cuDNN);
 # NCCL is 2.28.9 (2.30.7 wanted), lacking 11 symbols libtorch_cuda.so imports (ncclCommGrow, ncclCommSuspend,
 # ncclPutSignal, ...), which torch binds lazily and a one-GPU engine never calls.
-# Then, over one warm machine: one GPU run per part (the plan wheel-bundle prints), the last one running
+# Then, over one warm machine: one GPU run per part (scripts/pack_wheels.sh prints the plan), the last one running
 # `TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,48 +57,5 @@ for w in .wheels-src-033/*.whl; do
   *) cp "$w" .wheels-slim-033/ ;;
   esac
 done
-# Packed here rather than by wheel-bundle: each wheel rewritten with its members stored (the same names, bytes and
-# attributes, so RECORD holds and pip installs it unchanged), then the whole set xz-compressed across wheels
-# (939 -> 678 MiB: 13 parts of 56 MiB instead of 18 of 54, five fewer GPU calls; the tree carried beside a part is 7 MiB)
-rm -rf .wheels-stored-033 && mkdir .wheels-stored-033
-python3 - <<'PY'
-import copy, pathlib, shutil, zipfile
-for wheel in sorted(pathlib.Path(".wheels-slim-033").glob("*.whl")):
-    out = pathlib.Path(".wheels-stored-033") / wheel.name
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            stored = copy.copy(info)
-            stored.compress_type = zipfile.ZIP_STORED
-            with src.open(info) as f, dst.open(stored, "w") as g:
-                shutil.copyfileobj(f, g, 1 << 24)
-    with zipfile.ZipFile(wheel) as a, zipfile.ZipFile(out) as b:  # the same members, contents and modes
-        same = [(i.filename, i.CRC, i.file_size, i.external_attr) for i in a.infolist()]
-        assert same == [(i.filename, i.CRC, i.file_size, i.external_attr) for i in b.infolist()], wheel
-        assert b.testzip() is None, wheel
-PY
-rm -rf .wheels033 && mkdir .wheels033
-tar -C .wheels-stored-033 -cf - $(cd .wheels-stored-033 && ls ./*.whl) | xz -T2 -6 | split -b 56M -d -a 2 - .wheels033/part.
-(cd .wheels033 && sha256sum part.* > SHA256SUMS)
-cat > .wheels033/install.sh <<'SH'
-#!/usr/bin/env bash
-# Checks the parts (carried earlier into /tmp/wheel-parts, or next to this file), joins and unpacks them, and installs
-# the wheels into ${TARGET:-/tmp/site} (no index, no dependencies).
-set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd); target=${TARGET:-/tmp/site}; parts=/tmp/wheel-parts
-mkdir -p "$parts"; cp "$here"/part.* "$parts"/ 2>/dev/null || true; cp "$here/SHA256SUMS" "$parts/"
-missing=$(cd "$parts" && awk '{print $2}' SHA256SUMS | while read -r f; do [ -f "$f" ] || echo "$f"; done)
-[ -z "$missing" ] || { echo "install.sh: parts not on this machine (carry them first):" $missing; exit 1; }
-(cd "$parts" && sha256sum --quiet -c SHA256SUMS) || { echo "install.sh: a part is corrupt: carry it again"; exit 1; }
-rm -rf /tmp/wheel-bundle && mkdir -p /tmp/wheel-bundle "$target"
-unxz() { if command -v xz >/dev/null; then xz -d -T0; else python3 -c 'import lzma, shutil, sys
-shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1 << 24)'; fi; }
-(cd "$parts" && cat $(awk '{print $2}' SHA256SUMS)) | unxz | tar -xf - -C /tmp/wheel-bundle
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" /tmp/wheel-bundle/*.whl
-echo "installed $(ls /tmp/wheel-bundle/*.whl | wc -l) wheels into $target"
-SH
-chmod +x .wheels033/install.sh
-n=$(ls .wheels033/part.* | wc -l)
-echo "$n parts in .wheels033. Over one warm machine: calls 1..$((n - 1)) carry [\".wheels033/part.NN\"] and run"
-echo "  mkdir -p /tmp/wheel-parts && cp .wheels033/part.* /tmp/wheel-parts/"
-echo "the last carries [\".wheels033/part.$(printf %02d $((n - 1)))\", \".wheels033/install.sh\", \".wheels033/SHA256SUMS\"] and runs"
-echo "  TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup"
+bash scripts/pack_wheels.sh .wheels-slim-033 .wheels033 56
+echo "then: TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup"

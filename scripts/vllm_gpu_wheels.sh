@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vLLM 0.26's wheels for the H200 runs of scripts/serving_gpu.sh, slimmed to 6 parts of 40 MiB.
+# vLLM 0.26's wheels for the H200 runs of scripts/serving_gpu.sh, slimmed and packed into 3 parts of 56 MiB
+# (scripts/pack_wheels.sh; 6 parts of 40 MiB before).
 #
 #   bash scripts/vllm_gpu_wheels.sh        downloads ../shared/tools/vllm-gpu-wheels.txt into .wheels-src, repacks
 #                                          the vllm wheel without what a DeepSeek-V2 run on sm_90 never loads,
@@ -8,7 +9,7 @@
 # Left out of the vllm wheel (303 MB -> 151 MB): the FlashAttention-2 library (vLLM runs FA3 on sm_90 and
 # imports FA2 only if present), the Rust frontend binary vllm-rs (used only when VLLM_RUST_FRONTEND_PATH
 # asks for it), DeepGEMM's extension for Pythons other than 3.12, and the SM100 FMHA headers.
-# Then, over one warm machine: one GPU run per part (the plan wheel-bundle prints), the last one running
+# Then, over one warm machine: one GPU run per part (scripts/pack_wheels.sh prints the plan), the last one running
 # `bash scripts/serving_gpu.sh setup`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +25,4 @@ trap 'rm -rf "$work"' EXIT
 rm -rf .wheels-slim && mkdir .wheels-slim
 cp .wheels-src/*.whl .wheels-slim/
 mv "$work/../vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl" .wheels-slim/
-bash "$tools/wheel-bundle" pack .wheels-slim .wheels 40
+bash scripts/pack_wheels.sh .wheels-slim .wheels 56
