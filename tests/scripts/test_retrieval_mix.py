@@ -2,6 +2,7 @@
 where they should be, every training template used, determinism, and nothing of the held-out evaluation (its
 templates, its key words, the keys asked with the training templates) in training."""
 
+import re
 from functools import partial
 
 import numpy as np
@@ -83,8 +84,6 @@ def test_the_grammar_never_uses_a_held_out_word():
     for word in ("locker", "combination", "serial", "device", "reference number", "Subject:", "Regards", "const ",
                  "| ", "do not change"):  # fmt: skip
         assert not any(word in x for x in texts), word
-    import re
-
     joined = " ".join(texts)  # nor any held-out template's fixed text (its words between placeholders)
     for t in needles.templates("heldout"):
         for piece in re.split(r"\{[a-z_]+\}", t.needle + t.question):

@@ -175,12 +175,11 @@ def _latent_attention(module, state, query, key, value, attention_mask, scaling,
         if want_probs:
             raise NotImplementedError("output_attentions=True is not available under the decode-cache simulation")
         return state.simulation.attend(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask), None
-    if want_probs:
-        return absorbed_attention(
-            q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=True, dropout=dropout
+    if want_probs or dropout:  # the absorbed form forms the probabilities: it returns them, or drops them as eager does
+        out = absorbed_attention(
+            q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, return_probs=want_probs, dropout=dropout
         )
-    if dropout:  # the absorbed form drops the probabilities it forms, as eager attention does
-        return absorbed_attention(q_nope, q_pe, key, value, w_uk, w_uv, scale, attention_mask, dropout=dropout), None
+        return out if want_probs else (out, None)
     s, l_kv = q_nope.shape[-2], key.shape[-2]
     cheaper = expanded_is_cheaper(s, l_kv, key.shape[-1], nope, q_pe.shape[-1], w_uv.shape[1])  # many queries
     if cheaper and not _has_tangent(query, key, value):  # (the fused kernels have no forward-mode derivative)
