@@ -26,20 +26,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlafication import evaluate, windows_of  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def teacher_and_splits(description: str):
+    """``(teacher, validation, test)`` from ``--teacher DIR --tokens TOKDIR`` (float32 teacher, memory-mapped
+    token splits)."""
+    from transformers import AutoModelForCausalLM
+
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--teacher", type=Path, required=True)
     ap.add_argument("--tokens", type=Path, required=True, help="validation/test .u16.npy")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+    val = np.load(args.tokens / "validation.u16.npy", mmap_mode="r")
+    return teacher, val, np.load(args.tokens / "test.u16.npy", mmap_mode="r")
 
+
+def main() -> None:
+    teacher, val, test = teacher_and_splits(__doc__.split("\n\n")[0])
     from quantmla.convert import ConvertConfig, convert, to_deepseek
     from quantmla.convert.deepseek import latent_rms
     from quantmla.convert.partial import install_latent
 
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
-    val = np.load(args.tokens / "validation.u16.npy", mmap_mode="r")
-    test = np.load(args.tokens / "test.u16.npy", mmap_mode="r")
     calib, ev = windows_of(val, 2048, 16), windows_of(test, 1024, 12)
 
     def cfg(r, rank, **kw):

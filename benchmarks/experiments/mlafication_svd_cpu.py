@@ -14,17 +14,16 @@ On the GQA teacher, 4 RoPE pairs, the per-KV-head form, no latent norm; statisti
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlafication import evaluate, windows_of  # noqa: E402
+from mlafication_cpu import teacher_and_splits  # noqa: E402
 
 PAIRS, RANK = 4, 40
 
@@ -37,19 +36,11 @@ def joint_rows(layer) -> tuple[torch.Tensor, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--teacher", type=Path, required=True)
-    ap.add_argument("--tokens", type=Path, required=True, help="validation/test .u16.npy")
-    args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
+    teacher, val, test = teacher_and_splits(__doc__.split("\n\n")[0])
     from quantmla.convert import ConvertConfig, convert
     from quantmla.convert.partial import install_latent
     from quantmla.convert.source import decoder_layers
 
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
-    val = np.load(args.tokens / "validation.u16.npy", mmap_mode="r")
-    test = np.load(args.tokens / "test.u16.npy", mmap_mode="r")
     calib, ev, ev_layer = windows_of(val, 2048, 16), windows_of(test, 1024, 12), windows_of(test, 1024, 6)
     hidden = teacher.config.hidden_size
     convs = {
