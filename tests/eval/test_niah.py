@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 import quantmla
 from quantmla.cli.main import app
-from quantmla.eval.niah import NiahConfig, NiahRow, accuracy, answer, examples
+from quantmla.eval.niah import NiahConfig, NiahRow, accuracy, answer, examples, tally
 from quantmla.models.loading import builtin_text
 
 
@@ -101,6 +101,21 @@ def test_accuracy_is_exact_match_of_the_value():
         accuracy(rows, scheme="bf16")
 
 
+def test_tally_counts_each_value_of_a_field():
+    cells = ((0, "7"), (50, "8"), (100, "7"))
+    rows = [NiahRow(s, "niah-1", n, d, 0, "7", out, out == "7") for s in ("bf16", "c4r4") for n in (1024, 2048)
+            for d, out in cells]  # fmt: skip
+    rows[-1].correct = False  # c4r4, 2048, depth 100
+    assert tally(rows, "depth", scheme="c4r4") == {0: (2, 2), 50: (0, 2), 100: (1, 2)}
+    assert list(tally(rows, "depth", scheme="bf16")) == [0, 50, 100]
+    assert tally(rows, "length", scheme="c4r4") == {1024: (2, 3), 2048: (1, 3)}
+    assert tally(rows, "scheme") == {"bf16": (4, 6), "c4r4": (3, 6)}
+    with pytest.raises(ValueError, match="by='size'; valid: scheme, task, length, depth"):
+        tally(rows, "size")
+    with pytest.raises(ValueError, match="no NIAH rows"):
+        tally(rows, "depth", scheme="c2r4")
+
+
 def test_niah_command_writes_json_and_heat_maps(tmp_path):
     args = ["eval", "niah", "--scheme", "bf16,c4r4", "--tasks", "niah-1,niah-3", "--lengths", "192", "--depths",
             "0,100", "--out", str(tmp_path), "--json"]  # fmt: skip
@@ -110,6 +125,12 @@ def test_niah_command_writes_json_and_heat_maps(tmp_path):
     assert len(data["rows"]) == 2 * 2 * 2 and set(data["accuracy"]) == {"bf16", "c4r4"}
     assert data["config"]["templates"] == "heldout" and {r["split"] for r in data["rows"]} == {"heldout"}
     assert set(data["accuracy_by_templates"]["bf16"]) == {"heldout"}
+    for s in ("bf16", "c4r4"):  # [correct, total] per depth and length, over both tasks
+        assert set(data["by_depth"][s]) == {"0", "100"} and set(data["by_length"][s]) == {"192"}
+        assert [t for _, t in data["by_depth"][s].values()] == [2, 2]
+        mine = [r for r in data["rows"] if r["scheme"] == s]
+        assert sum(c for c, _ in data["by_depth"][s].values()) == sum(r["correct"] for r in mine)
+        assert data["by_length"][s]["192"] == [sum(r["correct"] for r in mine), 4]
     assert json.loads((tmp_path / "niah.json").read_text())["rows"] == data["rows"]
     for s in ("bf16", "c4r4"):
         assert (tmp_path / f"niah-{s}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -275,7 +275,7 @@ def niah(
     as_json: bool = typer.Option(False, "--json", help="Print JSON only."),
 ) -> None:
     """Needle retrieval (RULER-style S-NIAH) with greedy answers through the cache as decode sees it."""
-    from quantmla.eval.niah import NiahConfig, accuracy, examples, heatmap, run_niah
+    from quantmla.eval.niah import NiahConfig, accuracy, examples, heatmap, run_niah, tally
 
     with user_errors():
         where = where_of(device, device_map, max_memory)
@@ -303,6 +303,9 @@ def niah(
     result = {"model": model, "dtype": dtype_name(torch_dtype), "device": where.label, "config": cfg.__dict__,
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
               "accuracy_by_templates": {s: {sp: accuracy(rows, scheme=s, split=sp) for sp in splits} for s in names},
+              # [correct, total] over every task and template set: the per-length and per-depth counts
+              "by_length": {s: {str(k): list(v) for k, v in tally(rows, "length", scheme=s).items()} for s in names},
+              "by_depth": {s: {str(k): list(v) for k, v in tally(rows, "depth", scheme=s).items()} for s in names},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
     if out is not None:
         with internal_errors("eval niah"):
@@ -331,6 +334,14 @@ def niah(
                 cells = [_cell(rows, **sel, length=n) for n in cfg.lengths]
                 t.add_row(s, task, sp, *cells, _cell(rows, **sel))
     Console().print(t)
+    d = Table(title="by depth (every task, length and template set): correct of total")
+    d.add_column("scheme")
+    for depth in cfg.depths:
+        d.add_column(f"{depth}%", justify="right")
+    for s in names:
+        counts = tally(rows, "depth", scheme=s)
+        d.add_row(s, *(f"{counts[depth][0]} of {counts[depth][1]}" for depth in cfg.depths))
+    Console().print(d)
     if out is not None:
         Console().print(f"wrote {out / 'niah.json'} and {', '.join(f'niah-{s}.png' for s in names)}")
 

@@ -21,7 +21,7 @@ generated text contains the value (exact match of the value string).
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from tqdm.auto import tqdm
@@ -219,6 +219,23 @@ def accuracy(rows: list[NiahRow], **where) -> float:
     if not sel:
         raise ValueError(f"no NIAH rows for {where}")
     return sum(r.correct for r in sel) / len(sel)
+
+
+def tally(rows: list[NiahRow], by: str, **where) -> dict[int | str, tuple[int, int]]:
+    """``{value of by: (correct, total)}`` over the rows matching ``where``, in ascending order of ``by`` (e.g.
+    ``tally(rows, "depth", scheme="bf16")``: the per-depth counts a target such as "17 of 18 at every depth"
+    reads)."""
+    names = [f.name for f in fields(NiahRow)]
+    if by not in names:
+        raise ValueError(f"by={by!r}; valid: {', '.join(names)}")
+    sel = [r for r in rows if all(getattr(r, k) == v for k, v in where.items())]
+    if not sel:
+        raise ValueError(f"no NIAH rows for {where}")
+    out: dict[int | str, tuple[int, int]] = {}
+    for key in sorted({getattr(r, by) for r in sel}):
+        group = [r for r in sel if getattr(r, by) == key]
+        out[key] = (sum(r.correct for r in group), len(group))
+    return out
 
 
 def heatmap(rows: list[NiahRow], scheme: str, path) -> None:
