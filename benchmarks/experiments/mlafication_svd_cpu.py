@@ -56,12 +56,11 @@ def main() -> None:
     layers = decoder_layers(teacher)
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(layers))}
 
-    def hook(module, a, kw, i):
+    def hook(module, a, kw):
         x = kw.get("hidden_states", a[0] if a else None)
-        inputs[i].append(x.detach().reshape(-1, x.shape[-1]).double())
+        inputs[module.layer_idx].append(x.detach().reshape(-1, x.shape[-1]).double())
 
-    handles = [la.self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: hook(m, a, kw, i), with_kwargs=True)
-               for i, la in enumerate(layers)]  # fmt: skip
+    handles = [la.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for la in layers]
     with torch.no_grad():
         teacher(ev[:4], use_cache=False)
     for h in handles:

@@ -339,8 +339,8 @@ def niah(
     for depth in cfg.depths:
         d.add_column(f"{depth}%", justify="right")
     for s in names:
-        counts = tally(rows, "depth", scheme=s)
-        d.add_row(s, *(f"{counts[depth][0]} of {counts[depth][1]}" for depth in cfg.depths))
+        counts = result["by_depth"][s]
+        d.add_row(s, *(f"{counts[str(depth)][0]} of {counts[str(depth)][1]}" for depth in cfg.depths))
     Console().print(d)
     if out is not None:
         Console().print(f"wrote {out / 'niah.json'} and {', '.join(f'niah-{s}.png' for s in names)}")

@@ -213,11 +213,16 @@ def run_niah(
     return rows
 
 
-def accuracy(rows: list[NiahRow], **where) -> float:
-    """Exact-match accuracy of the rows matching ``where`` (e.g. ``scheme="c4r4", length=4096``)."""
+def _select(rows: list[NiahRow], where: dict) -> list[NiahRow]:
     sel = [r for r in rows if all(getattr(r, k) == v for k, v in where.items())]
     if not sel:
         raise ValueError(f"no NIAH rows for {where}")
+    return sel
+
+
+def accuracy(rows: list[NiahRow], **where) -> float:
+    """Exact-match accuracy of the rows matching ``where`` (e.g. ``scheme="c4r4", length=4096``)."""
+    sel = _select(rows, where)
     return sum(r.correct for r in sel) / len(sel)
 
 
@@ -228,14 +233,11 @@ def tally(rows: list[NiahRow], by: str, **where) -> dict[int | str, tuple[int, i
     names = [f.name for f in fields(NiahRow)]
     if by not in names:
         raise ValueError(f"by={by!r}; valid: {', '.join(names)}")
-    sel = [r for r in rows if all(getattr(r, k) == v for k, v in where.items())]
-    if not sel:
-        raise ValueError(f"no NIAH rows for {where}")
-    out: dict[int | str, tuple[int, int]] = {}
-    for key in sorted({getattr(r, by) for r in sel}):
-        group = [r for r in sel if getattr(r, by) == key]
-        out[key] = (sum(r.correct for r in group), len(group))
-    return out
+    counts: dict[int | str, tuple[int, int]] = {}
+    for r in _select(rows, where):
+        correct, total = counts.get(getattr(r, by), (0, 0))
+        counts[getattr(r, by)] = (correct + r.correct, total + 1)
+    return dict(sorted(counts.items()))
 
 
 def heatmap(rows: list[NiahRow], scheme: str, path) -> None:
