@@ -136,10 +136,11 @@ def main() -> None:
         times, start = [], time.perf_counter()
         last = [start]
 
-        def done(idx, times=times, last=last, start=start):
+        def done(idx, times=times, last=last, start=start, method=method):
             now = time.perf_counter()
             times.append(now - last[0])
             last[0] = now
+            print(f"{method}: layer {idx} in {times[-1]:.1f} s ({now - start:.0f} s so far)", flush=True)
             if now - start > args.max_seconds and idx < args.layers - 1:
                 raise _Enough
 
@@ -162,7 +163,7 @@ def main() -> None:
                "moe_s": per_moe, "v3_61_layers_min": (3 * per_dense + 58 * per_moe) / 60,
                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                "host_peak_gib": host_peak() / 2**30, "card": torch.cuda.get_device_name() if cuda else "cpu",
-               "experts": args.experts}  # fmt: skip
+               "experts": args.experts, "layers": args.layers, "wall_s": sum(times)}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("| method | seconds a layer (dense / MoE, first / later) | peak GPU GiB | host peak GiB | 61 layers, min |")

@@ -37,7 +37,11 @@ with lzma.open('.data/gpu-ft/train.u16.npy.xz', 'wb', preset=9) as f:
 print('train tokens kept:', len(keep), 'of', len(a))"
   cp .data/gpu/validation.u16.npy.xz .data/gpu/test.u16.npy.xz .data/gpu/tokenizer* .data/gpu/niah-text.txt .data/gpu-ft/
   cp "${MLA_INIT:-src/quantmla/assets/tiny-mla}"/{config.json,generation_config.json,model*.safetensors*,tokenizer*} .data/gpu-ft/v2/
-  cp "${TEACHER:-.data/teacher}"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
+  if [ -d "${TEACHER:-.data/teacher}" ]; then
+    cp "${TEACHER:-.data/teacher}"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
+  else
+    rmdir .data/gpu-ft/teacher; echo "no teacher at ${TEACHER:-.data/teacher}: .data/gpu-ft holds model v2 alone"
+  fi
   du -sh .data/gpu-ft
   ;;
 pack)
