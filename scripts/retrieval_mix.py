@@ -18,7 +18,12 @@ retrieval sequences, as in RULER-style long-context training:
 * ``copy_rows`` of the rows are span-copy rows instead: a crop of the train split, then, each after a newline, 4 to 12
   spans of 8 to 24 tokens copied from it, each one starting with tokens found nowhere else in the crop (so what follows
   is determined by the crop). They train what the held-out templates with a copy cue ask in a layout never seen: find
-  where the last tokens occurred and continue from there, whatever the wording.
+  where the last tokens occurred and continue from there, whatever the wording;
+* ``end_needle`` of the rows place one asked needle right before the questions (the evaluation's depth 100%, which
+  uniform depths reach about once a hundred needles);
+* ``short_episodes`` of the rows hold the haystack, needles and questions in their first ``L`` tokens, ``L`` uniform
+  from 1,024 (or ``seq``, if shorter) to ``seq``, then a newline and a crop of the train split: questions asked at
+  the evaluation's shorter lengths (1K, 2K) instead of always at the row's end.
 
 What is shared with the evaluation (``quantmla eval niah``) and what is not:
 
@@ -71,17 +76,20 @@ class RetrievalMix:
 
     def __init__(self, tokenizer, train: np.ndarray, seq: int, max_needles: int = 8, pool: int = 4096,
                  seed: int = 0, generated: float = 0.0, same_template: float = 0.0, ask_all: float = 0.0,
-                 copy_rows: float = 0.0, family_weights: Mapping[str, float] | None = None) -> None:  # fmt: skip
+                 copy_rows: float = 0.0, family_weights: Mapping[str, float] | None = None,
+                 end_needle: float = 0.0, short_episodes: float = 0.0) -> None:  # fmt: skip
         if seq < 512:
             raise ValueError(f"seq={seq}: retrieval rows need at least 512 tokens")
         for name, share in (("generated", generated), ("same_template", same_template), ("ask_all", ask_all),
-                            ("copy_rows", copy_rows)):  # fmt: skip
+                            ("copy_rows", copy_rows), ("end_needle", end_needle),
+                            ("short_episodes", short_episodes)):  # fmt: skip
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name}={share}: a share in [0, 1]")
         if family_weights is not None:
             check_weights(family_weights)
         self.train, self.seq, self.max_needles, self.same_template = train, seq, max_needles, same_template
         self.ask_all, self.copy_rows = ask_all, copy_rows
+        self.end_needle, self.short_episodes = end_needle, short_episodes
         self.newline = np.asarray(tokenizer("\n", add_special_tokens=False)["input_ids"], dtype=np.int64)
         rng = np.random.default_rng(seed)
         fixed = templates("train")
@@ -130,7 +138,16 @@ class RetrievalMix:
         asked = picks if ask_all else picks[: int(rng.integers(1, k + 1))]
         qa = [np.concatenate([self.questions[i], self.answers[i]]) for i in rng.permutation(asked)]
         tail = np.concatenate(qa)
-        room = n - len(tail) - sum(len(self.needles[i]) for i in picks)
+        # (the draws below happen only where their share is set: earlier runs' rows stay what their seed gave)
+        at_end = bool(self.end_needle) and rng.random() < self.end_needle
+        episode = n
+        if self.short_episodes and rng.random() < self.short_episodes:
+            episode = int(rng.integers(min(n, 1024), n + 1))
+            if episode > n - len(self.newline) - 1:  # no room for the newline and some text after it
+                episode = n
+        stated = sum(len(self.needles[i]) for i in picks)
+        episode = max(episode, min(n, len(tail) + stated + 64))  # room for some haystack
+        room = episode - len(tail) - stated
         if rng.random() < 0.25:  # a short crop repeated: the repeated-noise haystack
             w = int(rng.integers(16, 128))
             s = int(rng.integers(0, len(self.train) - w))
@@ -139,11 +156,20 @@ class RetrievalMix:
             s = int(rng.integers(0, len(self.train) - room))
             hay = self.train[s : s + room].astype(np.int64)
         spots = np.sort(rng.integers(0, room + 1, size=k))
+        if at_end:  # one asked needle last, its end where the questions start
+            last = asked[int(rng.integers(0, len(asked)))]
+            picks = np.asarray([i for i in picks if i != last] + [last])
+            spots[-1] = room
         parts, prev = [], 0
         for spot, i in zip(spots, picks, strict=True):
             parts += [hay[prev:spot], self.needles[i]]
             prev = spot
-        out = np.concatenate([*parts, hay[prev:], tail])
+        parts += [hay[prev:], tail]
+        if episode < n:  # a short episode, then ordinary text
+            filler = n - episode - len(self.newline)
+            s = int(rng.integers(0, len(self.train) - filler))
+            parts += [self.newline, self.train[s : s + filler].astype(np.int64)]
+        out = np.concatenate(parts)
         assert len(out) == n, (len(out), n)
         return out, [int(i) for i in picks], [int(i) for i in asked]
 

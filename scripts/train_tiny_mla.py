@@ -172,6 +172,10 @@ def main() -> None:
     ap.add_argument("--retrieval-pool", type=int, default=16384, help="needles (key, value, template) to draw from")
     ap.add_argument("--retrieval-ask-all", type=float, default=0.0, help="share of rows asking every needle they state")
     ap.add_argument("--retrieval-copy", type=float, default=0.0, help="share of retrieval rows that are span copies")
+    ap.add_argument("--retrieval-end", type=float, default=0.0,
+                    help="share of retrieval rows with one asked needle right before the questions")  # fmt: skip
+    ap.add_argument("--retrieval-short", type=float, default=0.0,
+                    help="share of retrieval rows ending at 1K..seq tokens, plain text after")  # fmt: skip
     ap.add_argument("--retrieval-families", type=family_weights, default=None, metavar="FAMILY=W,...",
                     help="the grammar's families at these relative weights (e.g. memo=3,record=2,kv=1; "
                     "unnamed: 0); default: uniform over the six original families")  # fmt: skip
@@ -226,7 +230,8 @@ def main() -> None:
         mix = RetrievalMix(AutoTokenizer.from_pretrained(args.tokens), train, args.seq, pool=args.retrieval_pool,
                            seed=args.seed, generated=args.retrieval_generated,
                            same_template=args.retrieval_same_template, ask_all=args.retrieval_ask_all,
-                           copy_rows=args.retrieval_copy, family_weights=args.retrieval_families)  # fmt: skip
+                           copy_rows=args.retrieval_copy, family_weights=args.retrieval_families,
+                           end_needle=args.retrieval_end, short_episodes=args.retrieval_short)  # fmt: skip
     it = batches(train, args.batch, args.seq, gen, mix, args.retrieval_share)
     curve, best = [], (float("inf"), -1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -189,3 +189,60 @@ def test_ask_all_asks_every_stated_needle(tok):
         assert sorted(asked) == sorted(stated)
     with pytest.raises(ValueError, match="copy_rows=2"):
         rm.RetrievalMix(tok, np.arange(5000, dtype=np.uint16), seq=1024, copy_rows=2)
+
+
+def _episode(mix, row, asked):
+    """Where the first question starts and where the last answer ends in ``row``."""
+    first_q = min(_find(row, mix.questions[i]) for i in asked)
+    ends = []
+    for i in asked:
+        q = _find(row, mix.questions[i], first_q)
+        ends.append(q + len(mix.questions[i]) + len(mix.answers[i]))
+    return first_q, max(ends)
+
+
+def test_end_needle_puts_an_asked_needle_right_before_the_questions(tok):
+    rm = _module()
+    train = np.arange(2, 3000, dtype=np.uint16) % 8000 + 2
+    rng = np.random.default_rng(0)
+    mix = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1, end_needle=1.0)
+    for _ in range(20):
+        row, stated, asked = mix.row_parts(rng)
+        first_q, _ = _episode(mix, row, asked)
+        adjacent = [i for i in asked if np.array_equal(row[first_q - len(mix.needles[i]) : first_q], mix.needles[i])]
+        assert adjacent, "no asked needle ends where the questions start"
+        assert all(0 <= _find(row, mix.needles[i]) < first_q for i in stated)
+    # without it, depths are uniform: the needle is rarely adjacent (the check above fails on some row)
+    plain = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1)
+    rng = np.random.default_rng(0)
+    misses = 0
+    for _ in range(20):
+        row, _, asked = plain.row_parts(rng)
+        first_q, _ = _episode(plain, row, asked)
+        misses += not any(
+            np.array_equal(row[first_q - len(plain.needles[i]) : first_q], plain.needles[i]) for i in asked
+        )
+    assert misses > 10, misses
+
+
+def test_short_episodes_end_early_then_continue_with_train_text(tok):
+    rm = _module()
+    train = np.random.default_rng(3).integers(2, 8000, 20000).astype(np.uint16)  # its 8-grams occur once
+    mix = rm.RetrievalMix(tok, train, seq=4096, pool=64, seed=1, short_episodes=1.0)
+    rng = np.random.default_rng(0)
+    lengths = []
+    for _ in range(12):
+        row, stated, asked = mix.row_parts(rng)
+        assert row.shape == (4097,)
+        first_q, end = _episode(mix, row, asked)
+        assert all(0 <= _find(row, mix.needles[i]) < first_q for i in stated)
+        lengths.append(end)
+        if end < 4097:  # a newline, then a contiguous crop of the train split to the row's end
+            nl = len(mix.newline)
+            assert np.array_equal(row[end : end + nl], mix.newline)
+            rest = row[end + nl :]
+            start = _find(train.astype(np.int64), rest[:8])
+            assert start >= 0 and np.array_equal(train[start : start + len(rest)], rest)
+    assert min(lengths) >= 1024 and min(lengths) < 3000 and len(set(lengths)) > 6, lengths
+    with pytest.raises(ValueError, match="short_episodes=-0.5"):
+        rm.RetrievalMix(tok, train, seq=1024, short_episodes=-0.5)
