@@ -19,8 +19,8 @@ retrieval sequences, as in RULER-style long-context training:
   spans of 8 to 24 tokens copied from it, each one starting with tokens found nowhere else in the crop (so what follows
   is determined by the crop). They train what the held-out templates with a copy cue ask in a layout never seen: find
   where the last tokens occurred and continue from there, whatever the wording;
-* ``end_needle`` of the rows place one asked needle right before the questions (the evaluation's depth 100%, which
-  uniform depths reach about once a hundred needles);
+* ``end_needle`` of the rows place one asked needle right before the questions (the evaluation's depth 100%: at
+  uniform depths one needle in a hundred lands in the last 1% of the haystack, almost none right at its end);
 * ``short_episodes`` of the rows hold the haystack, needles and questions in their first ``L`` tokens, ``L`` uniform
   from 1,024 (or ``seq``, if shorter) to ``seq``, then a newline and a crop of the train split: questions asked at
   the evaluation's shorter lengths (1K, 2K) instead of always at the row's end.
