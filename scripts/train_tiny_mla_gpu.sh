@@ -18,6 +18,8 @@
 #   scripts/train_tiny_mla_gpu.sh collect   # waits for it (at most WAIT s), packs $RES into $OUT
 # Two runs at once take their own QM, RES, WORK and TOK (the decompressed token splits).
 #
+# `scripts/train_tiny_mla_gpu.sh prepare` runs the four steps here (~5 minutes on 2 cores), each once.
+#
 # Fine-tuning (model v2 or the teacher trained on for retrieval): `pack-ft` writes .data/gpu-ft: the same files with
 # every other chunk of 65,536 train tokens (so the carry fits beside the starting weights), model v2 (from the
 # tree, or MLA_INIT) as v2/ and the teacher (TEACHER, default .data/teacher); on the device DATA=.data/gpu-ft and
@@ -25,6 +27,15 @@
 set -u
 DATA=${DATA:-.data/gpu}
 case "${1:-}" in
+prepare)  # here, once: the corpus, its tokens, .data/gpu and .data/gpu-ft (each step skipped if its output exists)
+  [ -f .data/corpus-v2/package/test.txt ] ||
+    python scripts/build_corpus.py --out .data/corpus-v2 --kernel --kernel-share 0.4 --package-bytes 700000 || exit 1
+  [ -f .data/tokenizer-v2/test.u16.npy ] ||
+    python scripts/train_tokenizer.py --corpus .data/corpus-v2 --out .data/tokenizer-v2 \
+      --tokenizer src/quantmla/assets/tiny-mla || exit 1
+  [ -f .data/gpu/test.u16.npy.xz ] || bash "$0" pack || exit 1
+  [ -f .data/gpu-ft/test.u16.npy.xz ] || bash "$0" pack-ft
+  ;;
 pack-ft)
   mkdir -p .data/gpu-ft/v2 .data/gpu-ft/teacher
   python -c "
@@ -84,5 +95,5 @@ collect)
   tar -C "$R" -czf "$OUT/res.tar.gz" --exclude='*.safetensors' .
   ls -la "$OUT"
   ;;
-*) echo "usage: $0 pack|run|launch|collect" >&2; exit 2 ;;
+*) echo "usage: $0 prepare|pack|pack-ft|run|launch|collect (got: ${1:-nothing})" >&2; exit 2 ;;
 esac
