@@ -9,7 +9,8 @@
 # It trains for BUDGET minutes (default 6.8) a model of FAMILY (mla: builtin:tiny-mla; gqa: the MLAfication teacher),
 # evaluates the shipped BF16 weights on the whole validation and test splits and on NIAH through the model's own
 # cache (training_log.json), runs quantmla's BF16 needle test (mla), and leaves in $OUT the two shards and rest.tar (config, tokenizer,
-# training_log.json, loss_curve.png, niah/).
+# training_log.json, loss_curve.png, niah/, ppl.txt). NIAH_SCHEMES (bf16) sets the needle test's caches; PPL_SECONDS
+# (0: skipped) runs the README's perplexity (bundled test split at 4K, float32; PPL_SCHEMES, default bf16,c4r4).
 #
 # Detached, so that later calls can carry other work while it trains:
 #   scripts/train_tiny_mla_gpu.sh launch    # (carry .data/gpu) copies the tree to $QM (/tmp/qm) and starts `run`
@@ -73,11 +74,14 @@ for s in ('train', 'validation', 'test'):
   python scripts/train_tiny_mla.py --tokens "$T" --out "$W" --seq 4096 --batch 16 --retrieval-share 0.2 \
     --family "${FAMILY:-mla}" --niah-text "$DATA/niah-text.txt" \
     --budget-minutes "${BUDGET:-6.8}" --max-minutes "$(python -c "print(${BUDGET:-6.8} + 0.5)")" ${TRAIN_ARGS:-} 2>&1 | tee "$W/train.log"
-  if [ "${FAMILY:-mla}" = mla ] && [ "${NIAH_SECONDS:-150}" != 0 ]; then timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme bf16 --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
+  if [ "${FAMILY:-mla}" = mla ] && [ "${NIAH_SECONDS:-150}" != 0 ]; then timeout "${NIAH_SECONDS:-150}" python -m quantmla eval niah "$W/model" --scheme "${NIAH_SCHEMES:-bf16}" --device "${DEVICE:-cuda}" -n 2 ${NIAH_ARGS:-} \
     --text "$DATA/niah-text.txt" --out "$W/niah" 2>&1 | tail -20 || echo "niah: cut at ${NIAH_SECONDS:-150} s"; fi
-  mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json"
+  # the README's perplexity (bundled test split, every 4,096-token window), the shipped weights in float32
+  if [ "${FAMILY:-mla}" = mla ] && [ "${PPL_SECONDS:-0}" != 0 ]; then timeout "${PPL_SECONDS}" python -m quantmla eval ppl "$W/model" --all --seq-len 4096 --scheme "${PPL_SCHEMES:-bf16,c4r4}" \
+    --device "${DEVICE:-cuda}" --dtype float32 > "$W/ppl.txt" 2>&1 || echo "ppl: cut at ${PPL_SECONDS} s" >> "$W/ppl.txt"; head -12 "$W/ppl.txt"; fi
+  mkdir -p "$W/niah" "$W/model"; touch "$W/loss_curve.png" "$W/training_log.json" "$W/ppl.txt"
   cp "$W"/model/model*.safetensors "$OUT/"
-  tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah
+  tar -C "$W" -cf "$OUT/rest.tar" --exclude='*.safetensors' model training_log.json loss_curve.png train.log niah ppl.txt
   ;;
 launch)
   Q=${QM:-/tmp/qm}; R=${RES:-/tmp/res}
