@@ -143,10 +143,10 @@ class RetrievalMix:
         episode = n
         if self.short_episodes and rng.random() < self.short_episodes:
             episode = int(rng.integers(min(n, 1024), n + 1))
-            if episode > n - len(self.newline) - 1:  # no room for the newline and some text after it
-                episode = n
         stated = sum(len(self.needles[i]) for i in picks)
         episode = max(episode, min(n, len(tail) + stated + 64))  # room for some haystack
+        if episode > n - len(self.newline) - 1:  # no room for the newline and some text after it
+            episode = n
         room = episode - len(tail) - stated
         if rng.random() < 0.25:  # a short crop repeated: the repeated-noise haystack
             w = int(rng.integers(16, 128))
