@@ -5,7 +5,7 @@
 # The runs, one after the other:
 #   1. all 61 layers of DeepSeek-V3's shape (3 dense + 58 MoE) at V3's attention width, QuantMLA's layer stage end
 #      to end (routed experts shrunk to 4 a layer so that the checkpoint fits the machine's disk: ~29 GB of FP8);
-#   2. V3's 256 routed experts (1 dense + 1 MoE layer), rtn and raq (one MoE layer is 11 GB of FP8).
+#   2. V3's 256 routed experts (1 dense + 1 MoE layer), rtn, QuantMLA and raq (one MoE layer is 11 GB of FP8).
 set -u
 R=/tmp/v3run
 case "${1:-}" in
@@ -15,7 +15,7 @@ launch)
     python benchmarks/v3_layerwise.py --dir /tmp/v3-61 --layers 61 --dense 3 --experts 4 --methods quantmla \
       --max-seconds 1e9 --json $R/v3-61-layers.json > $R/v3-61-layers.log 2>&1
     rm -rf /tmp/v3-61*
-    python benchmarks/v3_layerwise.py --dir /tmp/v3e256 --layers 2 --dense 1 --experts 256 --methods rtn,raq \
+    python benchmarks/v3_layerwise.py --dir /tmp/v3e256 --layers 2 --dense 1 --experts 256 --methods rtn,quantmla,raq \
       --max-seconds 1e9 --json $R/v3-256-experts.json > $R/v3-256-experts.log 2>&1
     touch $R/DONE" > "$R/pipeline.log" 2>&1 < /dev/null &
   ;;
