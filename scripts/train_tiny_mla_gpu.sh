@@ -38,7 +38,8 @@ prepare)  # here, once: the corpus, its tokens, .data/gpu and .data/gpu-ft (each
   [ -f .data/gpu-ft/test.u16.npy.xz ] || bash "$0" pack-ft
   ;;
 pack-ft)
-  mkdir -p .data/gpu-ft/v2 .data/gpu-ft/teacher
+  mkdir -p .data/gpu-ft/v2
+  teacher=${TEACHER:-.data/teacher}
   python -c "
 import lzma, numpy as np
 a = np.load('.data/tokenizer-v2/train.u16.npy')
@@ -49,10 +50,10 @@ with lzma.open('.data/gpu-ft/train.u16.npy.xz', 'wb', preset=9) as f:
 print('train tokens kept:', len(keep), 'of', len(a))"
   cp .data/gpu/validation.u16.npy.xz .data/gpu/test.u16.npy.xz .data/gpu/tokenizer* .data/gpu/niah-text.txt .data/gpu-ft/
   cp "${MLA_INIT:-src/quantmla/assets/tiny-mla}"/{config.json,generation_config.json,model*.safetensors*,tokenizer*} .data/gpu-ft/v2/
-  if [ -d "${TEACHER:-.data/teacher}" ]; then
-    cp "${TEACHER:-.data/teacher}"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
+  if [ -d "$teacher" ]; then
+    mkdir -p .data/gpu-ft/teacher && cp "$teacher"/{config.json,generation_config.json,model.safetensors,tokenizer*} .data/gpu-ft/teacher/
   else
-    rmdir .data/gpu-ft/teacher; echo "no teacher at ${TEACHER:-.data/teacher}: .data/gpu-ft holds model v2 alone"
+    echo "no teacher at $teacher: .data/gpu-ft holds model v2 alone"
   fi
   du -sh .data/gpu-ft
   ;;

@@ -304,8 +304,8 @@ def niah(
               "accuracy": {s: accuracy(rows, scheme=s) for s in names},
               "accuracy_by_templates": {s: {sp: accuracy(rows, scheme=s, split=sp) for sp in splits} for s in names},
               # [correct, total] over every task and template set: the per-length and per-depth counts
-              "by_length": {s: {str(k): list(v) for k, v in tally(rows, "length", scheme=s).items()} for s in names},
-              "by_depth": {s: {str(k): list(v) for k, v in tally(rows, "depth", scheme=s).items()} for s in names},
+              **{f"by_{f}": {s: {str(k): list(v) for k, v in tally(rows, f, scheme=s).items()} for s in names}
+                 for f in ("length", "depth")},
               "rows": [r.to_dict() for r in rows]}  # fmt: skip
     if out is not None:
         with internal_errors("eval niah"):
