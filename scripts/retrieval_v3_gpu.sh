@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Model v3 and the MLAfication teacher with the same retrieval recipe, on one GPU machine, detached over a few
+# calls (carry .data/gpu-ft from `scripts/train_tiny_mla_gpu.sh prepare`; the bundled shards moved out of the tree
+# so that tree and carry fit in 64 MiB):
+#   scripts/retrieval_v3_gpu.sh launch    # starts the pipeline below, prints its first lines
+#   WAIT=S scripts/retrieval_v3_gpu.sh collect   # waits at most S s for it, packs what finished into $OUT
+# The pipeline, one stage after the other on the GPU:
+#   1. model v2's shipped weights fine-tuned on the retrieval mix ($MIX) for BUDGET minutes, then its BF16/C4R4/C2R4
+#      held-out NIAH and the README's perplexity (scripts/train_tiny_mla_gpu.sh run);
+#   2. the teacher (--family gqa): trained from scratch for TEACHER_STEPS steps on the ordinary mix, then fine-tuned
+#      on $MIX for TEACHER_FT_STEPS steps (fixed step counts: sharing the GPU changes their wall time, not their
+#      training); with CAL=1, beside it, the README's calibration comparison on stage 1's weights
+#      (scripts/model_v2_calibration_gpu.sh, held-out NIAH).
+# collect packs $RES into $OUT every 20 s, so a call cut short still returns what finished.
+set -u
+MIX="--retrieval-share 0.55 --retrieval-generated 0.85 --retrieval-ask-all 0.5 --retrieval-copy 0.3 \
+--retrieval-end ${END_SHARE:-0.2} --retrieval-short ${SHORT_SHARE:-0.3} \
+--retrieval-families memo=3,record=2,kv=2,delimited=2,statement=1,code=1,json=1,dialogue=1"
+R=/tmp/res
+case "${1:-}" in
+launch)
+  AFTER="bash scripts/retrieval_v3_gpu.sh stage2" DATA=.data/gpu-ft NIAH_SECONDS=240 NIAH_SCHEMES=bf16,c4r4,c2r4 \
+    PPL_SECONDS=150 BUDGET=${BUDGET:-10} LAUNCH_WAIT=${LAUNCH_WAIT:-1} \
+    TRAIN_ARGS="--init .data/gpu-ft/v2 --lr 8e-4 --keep last --warmup 50 $MIX" \
+    bash scripts/train_tiny_mla_gpu.sh launch
+  ;;
+stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
+  mkdir -p "$R/teacher" "$R/cal"
+  # the teacher: from scratch, then fine-tuned, in its own copy and work folders
+  (export QM=/tmp/qm2 RES=/tmp/res2 WORK=/tmp/train2 TOK=/tmp/tok2 FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 LAUNCH_WAIT=0
+   TRAIN_ARGS="--budget-minutes 0 --max-minutes 30 --steps ${TEACHER_STEPS:-2900}" \
+   AFTER="QM=/tmp/qm3 RES=$R/teacher WORK=/tmp/train3 TOK=/tmp/tok2 OUT=$R/teacher FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 \
+     TRAIN_ARGS='--init /tmp/train2/model --lr 1e-3 --keep last --warmup 50 --budget-minutes 0 --max-minutes 30 \
+     --steps ${TEACHER_FT_STEPS:-2000} $MIX' bash scripts/train_tiny_mla_gpu.sh run > $R/teacher/ft.log 2>&1" \
+   bash scripts/train_tiny_mla_gpu.sh launch)
+  if [ "${CAL:-0}" = 1 ]; then  # the calibration comparison on stage 1's weights, as this copy's bundled model
+    cp /tmp/train/model/model*.safetensors /tmp/train/model/config.json src/quantmla/assets/tiny-mla/
+    OUT=$R/cal bash scripts/model_v2_calibration_gpu.sh "${CAL_DEADLINE:-700}" 2 > "$R/cal/pipeline.log" 2>&1
+  fi
+  for _ in $(seq 3000); do [ -f /tmp/res2/DONE ] && break; sleep 1; done
+  cp /tmp/res2/pipeline.log "$R/teacher/pretrain.log"
+  ;;
+collect)
+  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  pack() {
+    cp "$R"/model*.safetensors "$OUT/" 2>/dev/null
+    [ -f "$R/teacher/model.safetensors" ] && cp "$R/teacher/model.safetensors" "$OUT/teacher.safetensors"
+    cp /tmp/res2/pipeline.log "$R/teacher/pretrain.log" 2>/dev/null
+    tar -C "$R" -czf "$OUT/res.tmp.tar.gz" --exclude='*.safetensors' --exclude='calib.tmp.tar.gz' . &&
+      mv "$OUT/res.tmp.tar.gz" "$OUT/res.tar.gz"
+  }
+  t0=$(date +%s)
+  while [ ! -f "$R/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-500}" ]; do pack; sleep 20; done
+  pack
+  tail -n 5 "$R/pipeline.log" "$R"/cal/pipeline.log /tmp/res2/pipeline.log "$R"/teacher/ft.log 2>/dev/null
+  ls -la "$OUT"
+  ;;
+*) echo "usage: $0 launch|collect (got: ${1:-nothing})" >&2; exit 2 ;;
+esac
