@@ -26,8 +26,8 @@ launch)
   ;;
 stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
   mkdir -p "$R/teacher" "$R/cal"
-  # the teacher: from scratch, then fine-tuned, in its own copy and work folders
-  (export QM=/tmp/qm2 RES=/tmp/res2 WORK=/tmp/train2 TOK=/tmp/tok2 FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 LAUNCH_WAIT=0
+  # the teacher (TEACHER=0: none): from scratch, then fine-tuned, in its own copy and work folders
+  [ "${TEACHER:-1}" = 1 ] && (export QM=/tmp/qm2 RES=/tmp/res2 WORK=/tmp/train2 TOK=/tmp/tok2 FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 LAUNCH_WAIT=0
    TRAIN_ARGS="--budget-minutes 0 --max-minutes 30 --steps ${TEACHER_STEPS:-2900}" \
    AFTER="QM=/tmp/qm3 RES=$R/teacher WORK=/tmp/train3 TOK=/tmp/tok2 OUT=$R/teacher FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 \
      TRAIN_ARGS='--init /tmp/train2/model --lr 1e-3 --keep last --warmup 50 --budget-minutes 0 --max-minutes 30 \
@@ -37,7 +37,7 @@ stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
     cp /tmp/train/model/model*.safetensors /tmp/train/model/config.json src/quantmla/assets/tiny-mla/
     OUT=$R/cal bash scripts/model_v2_calibration_gpu.sh "${CAL_DEADLINE:-700}" 2 > "$R/cal/pipeline.log" 2>&1
   fi
-  for _ in $(seq 3000); do [ -f /tmp/res2/DONE ] && break; sleep 1; done
+  [ "${TEACHER:-1}" = 1 ] && for _ in $(seq 3000); do [ -f /tmp/res2/DONE ] && break; sleep 1; done
   cp /tmp/res2/pipeline.log "$R/teacher/pretrain.log"
   ;;
 collect)
