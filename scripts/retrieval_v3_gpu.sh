@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Model v3 and the MLAfication teacher with the same retrieval recipe, on one GPU machine, detached over a few
 # calls (carry .data/gpu-ft from `scripts/train_tiny_mla_gpu.sh prepare`; the bundled shards moved out of the tree
-# so that tree and carry fit in 64 MiB):
-#   scripts/retrieval_v3_gpu.sh launch    # starts the pipeline below, prints its first lines
+# so that tree and carry fit in 64 MiB). Model v2's weights, the start, are in the history since the tree holds v3:
+#   mkdir -p .data/v2 && cp src/quantmla/assets/tiny-mla/*.json .data/v2/ && for n in 1 2; do git show \
+#     3cb178b:src/quantmla/assets/tiny-mla/model-0000$n-of-00002.safetensors > .data/v2/model-0000$n-of-00002.safetensors; done
+#   rm -rf .data/gpu-ft && MLA_INIT=.data/v2 scripts/train_tiny_mla_gpu.sh prepare
+#   scripts/retrieval_v3_gpu.sh launch    # starts the pipeline below, prints its first lines (launch-stage2: stage 2 only)
 #   WAIT=S scripts/retrieval_v3_gpu.sh collect   # waits at most S s for it, packs what finished into $OUT
 # The pipeline, one stage after the other on the GPU:
-#   1. model v2's shipped weights fine-tuned on the retrieval mix ($MIX) for BUDGET minutes, then its BF16/C4R4/C2R4
+#   1. model v2's weights (.data/gpu-ft/v2) fine-tuned on the retrieval mix ($MIX) for BUDGET minutes (STEPS: that
+#      many steps instead; model v3 is STEPS=4210), then its BF16/C4R4/C2R4
 #      held-out NIAH and the README's perplexity (scripts/train_tiny_mla_gpu.sh run);
 #   2. the teacher (--family gqa): trained from scratch for TEACHER_STEPS steps on the ordinary mix, then fine-tuned
 #      on $MIX for TEACHER_FT_STEPS steps (fixed step counts: sharing the GPU changes their wall time, not their
@@ -21,8 +25,15 @@ case "${1:-}" in
 launch)
   AFTER="bash scripts/retrieval_v3_gpu.sh stage2" DATA=.data/gpu-ft NIAH_SECONDS=240 NIAH_SCHEMES=bf16,c4r4,c2r4 \
     PPL_SECONDS=150 BUDGET=${BUDGET:-10} LAUNCH_WAIT=${LAUNCH_WAIT:-1} \
-    TRAIN_ARGS="--init .data/gpu-ft/v2 --lr 8e-4 --keep last --warmup 50 $MIX" \
+    TRAIN_ARGS="--init .data/gpu-ft/v2 --lr 8e-4 --keep last --warmup 50 $MIX${STEPS:+ --steps $STEPS --budget-minutes 0 --max-minutes 30}" \
     bash scripts/train_tiny_mla_gpu.sh launch
+  ;;
+launch-stage2)  # stage 2 alone (the teacher; CAL=1: and the calibration on the tree's bundled model, whose shards
+  # then stay in the tree; .data/gpu-ft without v2/ keeps the carry small)
+  rm -rf /tmp/qm "$R" && mkdir -p /tmp/qm "$R" && cp -r src scripts benchmarks pyproject.toml .data /tmp/qm/ || exit 1
+  cd /tmp/qm && OUT=$R setsid nohup bash -c "bash scripts/retrieval_v3_gpu.sh stage2; touch $R/DONE" \
+    > "$R/pipeline.log" 2>&1 < /dev/null &
+  sleep 2; cat "$R/pipeline.log"
   ;;
 stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
   mkdir -p "$R/teacher" "$R/cal"
@@ -33,8 +44,8 @@ stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
      TRAIN_ARGS='--init /tmp/train2/model --lr 1e-3 --keep last --warmup 50 --budget-minutes 0 --max-minutes 30 \
      --steps ${TEACHER_FT_STEPS:-2000} $MIX' bash scripts/train_tiny_mla_gpu.sh run > $R/teacher/ft.log 2>&1" \
    bash scripts/train_tiny_mla_gpu.sh launch)
-  if [ "${CAL:-0}" = 1 ]; then  # the calibration comparison on stage 1's weights, as this copy's bundled model
-    cp /tmp/train/model/model*.safetensors /tmp/train/model/config.json src/quantmla/assets/tiny-mla/
+  if [ "${CAL:-0}" = 1 ]; then  # the calibration comparison on stage 1's weights (if it ran), as this copy's bundled model
+    [ -d /tmp/train/model ] && cp /tmp/train/model/model*.safetensors /tmp/train/model/config.json src/quantmla/assets/tiny-mla/
     OUT=$R/cal bash scripts/model_v2_calibration_gpu.sh "${CAL_DEADLINE:-700}" 2 > "$R/cal/pipeline.log" 2>&1
   fi
   [ "${TEACHER:-1}" = 1 ] && for _ in $(seq 3000); do [ -f /tmp/res2/DONE ] && break; sleep 1; done
@@ -55,5 +66,5 @@ collect)
   tail -n 5 "$R/pipeline.log" "$R"/cal/pipeline.log /tmp/res2/pipeline.log "$R"/teacher/ft.log 2>/dev/null
   ls -la "$OUT"
   ;;
-*) echo "usage: $0 launch|collect (got: ${1:-nothing})" >&2; exit 2 ;;
+*) echo "usage: $0 launch|launch-stage2|collect (got: ${1:-nothing})" >&2; exit 2 ;;
 esac
