@@ -13,7 +13,9 @@
 # PART 5: the combined method below 3 bits on part 4's saved layer stages, in one call (ROLAQ300=1: and RoLaQ
 # at 300 steps beside it); PART 6: the combined method at RAQ-MLA's INT4 scheme without clipping (c4g128r4p128,
 # 4.25 BPE), its layer stage computed here, and RTN at that scheme, in one call; PART 7: raq-alloc, RAQ-MLA's
-# transforms with bits allocated across layers, beside RAQ-MLA at one scheme, in one call (below).
+# transforms with bits allocated across layers, beside RAQ-MLA at one scheme, in one call (below); PART 8: the
+# table of the seed papers' methods re-measured on the bundled model in one call (RAQ-MLA and raq-alloc at the
+# three budgets, Block-GTQ at ~4.5 BPE, RoLaQ at ~2.9 BPE; QuantMLA's rows come from the calibration comparison).
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -26,7 +28,7 @@ pack() {  # the saved layer stages travel as their own files (parts 4 and 5), no
     mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"
 }
 packer=
-case $PART in 1|2|3|5|7) (while sleep 20; do pack; done) & packer=$! ;; esac
+case $PART in 1|2|3|5|7|8) (while sleep 20; do pack; done) & packer=$! ;; esac
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30 - $(date +%s) + t0)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
@@ -54,6 +56,21 @@ collect() {  # PART 4's foreground: wait for the detached runs (or $1 seconds), 
   exit 0
 }
 if [ "$PART" = collect ]; then W=/tmp/rel${COLLECT_PART:-4}; collect "${COLLECT_S:-560}"; fi
+if [ "$PART" = 8 ]; then
+  # eight processes side by side, two threads each (the machine has 16 cores); RAQ-MLA's post-RoPE fit and
+  # raq-alloc's at the served context (4,096-token windows), as the published table ran them
+  export OMP_NUM_THREADS=2
+  R="--rope-fit-seq-len 4096"
+  run raq4k-45 raq/c4r4 "$R"
+  run alloc-45 raq-alloc/c4r4 "$R"
+  run raq4k-27 raq/c2q94r4p64 "$R"
+  run alloc-27 raq-alloc/c2q94r4p64 "$R"
+  run raq4k-25 raq/c2g128q94r4p128 "$R"
+  run alloc-25 raq-alloc/c2g128q94r4p128 "$R"
+  run gtq-45 blockgtq/c4r4t
+  run rolaq-27 rolaq/c2r4 "--steps 150"
+  end_part
+fi
 if [ "$PART" = 7 ]; then
   # raq-alloc (RAQ-MLA's transforms, each layer's formats allocated by held-out KL within the scheme's bits) and
   # RAQ-MLA, both with the post-RoPE fit at 4,096-token windows, side by side at one scheme ($SCHEME7:

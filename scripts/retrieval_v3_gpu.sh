@@ -14,7 +14,8 @@
 #   2. the teacher (--family gqa): trained from scratch for TEACHER_STEPS steps on the ordinary mix, then fine-tuned
 #      on $MIX for TEACHER_FT_STEPS steps (fixed step counts: sharing the GPU changes their wall time, not their
 #      training); with CAL=1, beside it, the README's calibration comparison on stage 1's weights
-#      (scripts/model_v2_calibration_gpu.sh, held-out NIAH).
+#      (scripts/model_v2_calibration_gpu.sh, held-out NIAH); with REL=1, after it, the seed papers' methods on the
+#      same model (scripts/related_methods_gpu.sh part 8).
 # collect packs $RES into $OUT every 20 s, so a call cut short still returns what finished.
 set -u
 MIX="--retrieval-share 0.55 --retrieval-generated 0.85 --retrieval-ask-all 0.5 --retrieval-copy 0.3 \
@@ -48,6 +49,9 @@ stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
     [ -d /tmp/train/model ] && cp /tmp/train/model/model*.safetensors /tmp/train/model/config.json src/quantmla/assets/tiny-mla/
     OUT=$R/cal bash scripts/model_v2_calibration_gpu.sh "${CAL_DEADLINE:-700}" 2 > "$R/cal/pipeline.log" 2>&1
   fi
+  if [ "${REL:-0}" = 1 ]; then  # then the seed papers' methods on the same model (related_methods_gpu.sh part 8)
+    mkdir -p "$R/rel" && OUT=$R/rel bash scripts/related_methods_gpu.sh "${REL_DEADLINE:-560}" 2 8 > "$R/rel/pipeline.log" 2>&1
+  fi
   [ "${TEACHER:-1}" = 1 ] && for _ in $(seq 3000); do [ -f /tmp/res2/DONE ] && break; sleep 1; done
   true  # (collect copies the teacher's pretraining log)
   ;;
@@ -63,7 +67,7 @@ collect)
   t0=$(date +%s)
   while [ ! -f "$R/DONE" ] && [ $(($(date +%s) - t0)) -lt "${WAIT:-500}" ]; do pack; sleep 20; done
   pack
-  tail -n 5 "$R/pipeline.log" "$R"/cal/pipeline.log /tmp/res2/pipeline.log "$R"/teacher/ft.log 2>/dev/null
+  tail -n 5 "$R/pipeline.log" "$R"/cal/pipeline.log "$R"/rel/pipeline.log /tmp/res2/pipeline.log "$R"/teacher/ft.log 2>/dev/null
   ls -la "$OUT"
   ;;
 *) echo "usage: $0 launch|launch-stage2|collect (got: ${1:-nothing})" >&2; exit 2 ;;
