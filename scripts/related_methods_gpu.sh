@@ -55,18 +55,17 @@ collect() {  # PART 4's foreground: wait for the detached runs (or $1 seconds), 
   grep -h '^{' "$W"/logs/*.log 2>/dev/null | cut -c1-220
   exit 0
 }
+alloc_pair() {  # scheme, name suffix: raq-alloc and RAQ-MLA side by side, with the caller's $R
+  run "alloc${2:-}" "raq-alloc/$1" "$R"
+  run "raq4k${2:-}" "raq/$1" "$R"
+}
 if [ "$PART" = collect ]; then W=/tmp/rel${COLLECT_PART:-4}; collect "${COLLECT_S:-560}"; fi
 if [ "$PART" = 8 ]; then
-  # eight processes side by side, two threads each (the machine has 16 cores); RAQ-MLA's post-RoPE fit and
-  # raq-alloc's at the served context (4,096-token windows), as the published table ran them
+  # eight processes side by side, two threads each (the machine has 16 cores): part 7's pair at the three budgets,
+  # Block-GTQ and RoLaQ
   export OMP_NUM_THREADS=2
   R="--rope-fit-seq-len 4096"
-  run raq4k-45 raq/c4r4 "$R"
-  run alloc-45 raq-alloc/c4r4 "$R"
-  run raq4k-27 raq/c2q94r4p64 "$R"
-  run alloc-27 raq-alloc/c2q94r4p64 "$R"
-  run raq4k-25 raq/c2g128q94r4p128 "$R"
-  run alloc-25 raq-alloc/c2g128q94r4p128 "$R"
+  alloc_pair c4r4 -45; alloc_pair c2q94r4p64 -27; alloc_pair c2g128q94r4p128 -25
   run gtq-45 blockgtq/c4r4t
   run rolaq-27 rolaq/c2r4 "--steps 150"
   end_part
@@ -78,8 +77,7 @@ if [ "$PART" = 7 ]; then
   # c2q94r4p64 on 2026-12-04. (Six such runs side by side, detached over two calls, lost their results twice: the
   # device time ran out before their evaluations ended, then the machine was released between the calls.)
   R="--rope-fit-seq-len 4096 --windows ${WINDOWS7:-with}"
-  run alloc raq-alloc/${SCHEME7:-c2q94r4p64} "$R"
-  run raq4k raq/${SCHEME7:-c2q94r4p64} "$R"
+  alloc_pair "${SCHEME7:-c2q94r4p64}"
   end_part
 fi
 if [ "$PART" = 4 ] && [ -z "${DETACHED:-}" ]; then
