@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--windows", choices=("both", "with", "without"), default="both",
                     help="evaluate with sink 4 + recent 128, without, or both")  # fmt: skip
     ap.add_argument("--model-steps", type=int, default=150, help="QuantMLA's model-level steps (0: layer stage only)")
+    ap.add_argument("--model-rotation-lr", type=float, default=None,
+                    help="QuantMLA's model-level rate for the content rotations (default: width-scaled)")  # fmt: skip
     ap.add_argument("--model-seq-len", type=int, default=None,
                     help="tokens per sequence of QuantMLA's model-level stage (default: --seq-len)")  # fmt: skip
     ap.add_argument(
@@ -156,6 +158,7 @@ def main() -> None:
                 method=method, steps=args.steps, num_seqs=args.num_seqs, val_seqs=args.val_seqs,
                 seq_len=args.seq_len, paths=paths, seed=args.seed, sink=c_sink, recent=c_recent,
                 model_steps=0 if args.layer_stage_only else args.model_steps, model_seq_len=args.model_seq_len,
+                model_rotation_lr=args.model_rotation_lr,
                 rope_fit_seq_len=args.rope_fit_seq_len,
             )  # fmt: skip
             key = tag if method not in QUANTMLA_METHODS else f"{tag}@{c_sink}+{c_recent}"

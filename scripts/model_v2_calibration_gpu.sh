@@ -30,16 +30,7 @@ wait "$pa" "$pb"
 echo "baselines done at $(($(date +%s) - t0)) s"
 pack
 # the README's perplexity table per scheme on the whole test split at 4K windows (after the calibration, alone)
-for dt in bfloat16 float32; do
-  for w in with none; do
-    left=$((DEADLINE - ($(date +%s) - t0)))
-    [ "$left" -gt 30 ] || { echo "ppl-$dt-$w: skipped (deadline)"; continue; }
-    timeout "$left" python -m quantmla eval ppl --all --device cuda --dtype $dt --seq-len 4096 \
-      --scheme bf16,fp8,c8r8,c4r4,c2r4 $([ $w = none ] && echo --no-sink-recent) --json \
-      > "$W/ppl-$dt-$w.json" 2> "$W/logs/ppl-$dt-$w.log"
-    echo "ppl-$dt-$w: rc $? at $(($(date +%s) - t0)) s"
-  done
-done
+bash scripts/rtn_ppl_gpu.sh "$W" $((t0 + DEADLINE))
 kill $packer 2>/dev/null
 pack
 grep -h '^{' "$W"/logs/*.log | cut -c1-200

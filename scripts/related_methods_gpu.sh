@@ -15,7 +15,8 @@
 # 4.25 BPE), its layer stage computed here, and RTN at that scheme, in one call; PART 7: raq-alloc, RAQ-MLA's
 # transforms with bits allocated across layers, beside RAQ-MLA at one scheme, in one call (below); PART 8: the
 # table of the seed papers' methods re-measured on the bundled model in one call (RAQ-MLA and raq-alloc at the
-# three budgets, Block-GTQ at ~4.5 BPE, RoLaQ at ~2.9 BPE; QuantMLA's rows come from the calibration comparison).
+# three budgets, Block-GTQ at ~4.5 BPE, RoLaQ at ~2.9 BPE; QuantMLA's rows come from the calibration comparison);
+# PART 9: the combined method (quantmla-raq) at the three budgets, its layer stages computed here, in one call.
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-560}
@@ -28,7 +29,7 @@ pack() {  # the saved layer stages travel as their own files (parts 4 and 5), no
     mv "$OUT/related.tmp.tar.gz" "$OUT/related.tar.gz"
 }
 packer=
-case $PART in 1|2|3|5|7|8) (while sleep 20; do pack; done) & packer=$! ;; esac
+case $PART in 1|2|3|5|7|8|9) (while sleep 20; do pack; done) & packer=$! ;; esac
 run() {  # name, comma list of METHOD/SCHEME runs, extra arguments
   timeout $((DEADLINE - 30 - $(date +%s) + t0)) python scripts/calibration_results.py --out "$W/$1" --niah "$NIAH" --windows with \
     --runs "$2" ${3:-} > "$W/logs/$1.log" 2>&1 &
@@ -68,6 +69,19 @@ if [ "$PART" = 8 ]; then
   alloc_pair c4r4 -45; alloc_pair c2q94r4p64 -27; alloc_pair c2g128q94r4p128 -25
   run gtq-45 blockgtq/c4r4t
   run rolaq-27 rolaq/c2r4 "--steps 150"
+  end_part
+fi
+if [ "$PART" = 9 ]; then
+  # QuantMLA's layer stages at the three budgets' schemes (one process per scheme and layer), then the combined
+  # method on them side by side, as part 4 ran it (RAQ-MLA's post-RoPE fits at 4,096-token windows)
+  # ($COMB_SCHEMES: a subset of c4r4 and $NEW_SCHEMES)
+  Q=$W/quantmla; mkdir -p "$Q/stages"
+  SCHEMES="${COMB_SCHEMES:-c4r4 $NEW_SCHEMES}" WINDOWS=none ABLATION=0 timeout 260 \
+    bash scripts/calibration_results_gpu.sh "$Q" 250 > "$W/logs/stages.log" 2>&1
+  echo "layer stages: rc $? at $(($(date +%s) - t0)) s"
+  for s in ${COMB_SCHEMES:-c4r4 $NEW_SCHEMES}; do
+    run "comb-$s" "quantmla-raq/$s" "--rope-fit-seq-len 4096 --layer-stages $Q/stages"
+  done
   end_part
 fi
 if [ "$PART" = 7 ]; then

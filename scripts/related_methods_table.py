@@ -6,6 +6,9 @@ python scripts/related_methods_table.py --results docs/calibration-results.json 
     --out docs/related-methods-results.json --plot docs/related-methods-bpe.png
 python scripts/related_methods_table.py --windows 0+0 --results docs/calibration-results.json \
     docs/related-methods-runs/nw-*.json --out docs/related-methods-nowindows.json
+python scripts/related_methods_table.py --results docs/calibration-results-v3.json docs/related-methods-runs/v3/*.json \
+    --out docs/related-methods-results-v3.json --plot docs/related-methods-bpe-v3.png \
+    --title "Bundled model v3, float32, H100"
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch  # noqa: E402
 from quantmla.formats.scheme import CacheScheme, PathFormat, parse_scheme  # noqa: E402
 from quantmla.models.loading import DEFAULT_MODEL, inspect_model  # noqa: E402
 
-_DIMS = inspect_model(DEFAULT_MODEL).dims  # the bundled model v2 (the results' model)
+_DIMS = inspect_model(DEFAULT_MODEL).dims  # the bundled model (v2 and v3 share the shape)
 D_C, D_R = _DIMS.kv_lora_rank, _DIMS.rope_dim
 
 
@@ -65,6 +68,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--windows", default="4+128", help="sink+recent of the rows to take: 4+128 or 0+0")
     ap.add_argument("--exclude", default="", help="comma list of METHOD/SCHEME rows to leave out")
+    ap.add_argument("--title", default="Bundled model v2, float32, H200", help="the plot's model, dtype and card")
     args = ap.parse_args()
     exclude = set(filter(None, args.exclude.split(",")))
     rows = {}
@@ -135,8 +139,8 @@ def main() -> None:
     ax[0].set(xlabel="bits per cached element (metadata included)", ylabel="perplexity (test split, 4K windows)")
     ax[1].set(xlabel="bits per cached element (metadata included)", ylabel="KL to the unquantised cache", yscale="log")
     ax[0].legend(fontsize=7)
-    title = "Bundled model v2, float32, H200 (hollow: a CPU run), sink 4 + recent 128: each method's best scheme"
-    fig.suptitle(title + " per budget", fontsize=10)
+    title = f"{args.title} (hollow: a CPU run), sink 4 + recent 128: each method's best scheme per budget"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=120)
 

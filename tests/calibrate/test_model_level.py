@@ -8,7 +8,14 @@ import torch
 
 from quantmla import enable_latent_attention
 from quantmla.calibrate import CalibrationConfig, calibrate_model
-from quantmla.calibrate.model_level import InstalledPaths, LayerPaths, ModelLevelConfig, refine
+from quantmla.calibrate.model_level import (
+    ROTATION_WIDTH,
+    InstalledPaths,
+    LayerPaths,
+    ModelLevelConfig,
+    optimizer,
+    refine,
+)
 from quantmla.calibrate.objectives import latent_gain
 from quantmla.formats.scheme import parse_scheme
 from quantmla.measure.simulate import simulated_decode
@@ -45,6 +52,14 @@ def _setup(name):
     return model, adapter, transforms
 
 
+def _layer_paths(model, adapter, modules, transforms) -> dict[int, LayerPaths]:
+    return {
+        idx: LayerPaths(*transforms[idx], latent_gain(adapter, attn), adapter.rope_layout(model.config).cache_pairs(
+            attn.qk_rope_head_dim))
+        for idx, attn in modules
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "name,scheme", [("deepseek_v3", "c4r4"), ("longcat_flash", "c4r4"), ("deepseek_v3", "c2q94r4p8"),
                     ("deepseek_v3", "c4p8r4p4")]
@@ -55,11 +70,7 @@ def test_transforms_in_the_original_basis_equal_the_fused_model(name, scheme):
     model, adapter, transforms = _setup(name)
     scheme = parse_scheme(scheme)
     modules = list(adapter.attention_modules(model))
-    layers = {
-        idx: LayerPaths(*transforms[idx], latent_gain(adapter, attn), adapter.rope_layout(model.config).cache_pairs(
-            attn.qk_rope_head_dim))
-        for idx, attn in modules
-    }  # fmt: skip
+    layers = _layer_paths(model, adapter, modules, transforms)
     ids = torch.randint(3, 256, (2, 40))
     with torch.no_grad():
         with InstalledPaths(modules, layers, scheme, 16, sink=2, recent=8):
@@ -98,6 +109,8 @@ def test_refine_never_worse_than_its_best_start_and_learns():
     assert [s for s, _ in rep["history"]] == [0, 2, 4, 6]
     assert all(p.requires_grad for p in model.parameters())  # the model's flags are restored
     assert len({v for _, v in rep["history"]}) == 4  # every evaluation saw different parameters
+    d = transforms[0][0].rotation.shape[0]
+    assert rep["rotation_lr"] == pytest.approx(1e-2 * ROTATION_WIDTH / d)
     start = (transforms if rep["init"] == "random" else ident)[0][1].angles.double()
     assert torch.equal(out[0][1].angles, start) == (rep["best_step"] == 0)
 
@@ -107,6 +120,47 @@ def test_model_level_config_errors():
         ModelLevelConfig(objective="mse")
     with pytest.raises(ValueError, match="lr=0"):
         ModelLevelConfig(lr=0)
+    with pytest.raises(ValueError, match="rotation_lr=0"):
+        ModelLevelConfig(rotation_lr=0.0)
+    with pytest.raises(ValueError, match="rotation_lr=-1"):
+        CalibrationConfig(model_rotation_lr=-1.0)
+
+
+def test_rotation_rate_scales_with_the_width():
+    cfg = ModelLevelConfig(lr=2e-3)
+    assert cfg.rotation_rate(256) == pytest.approx(2e-3 * ROTATION_WIDTH / 256)
+    assert cfg.rotation_rate(512) == pytest.approx(cfg.rotation_rate(256) / 2)
+    assert ModelLevelConfig(lr=2e-3, rotation_lr=5e-5).rotation_rate(256) == 5e-5
+    # the layer stage does not depend on the model stage's rates: a saved layer stage is reused across them
+    assert CalibrationConfig(model_rotation_lr=1e-5).layer_key() == CalibrationConfig().layer_key()
+    assert CalibrationConfig(model_rotation_lr=1e-5).model_level().rotation_lr == 1e-5
+
+
+@pytest.mark.parametrize("trainable", [("content", "rope"), ("rope",), ("content",)])
+def test_one_step_moves_the_rotation_by_its_width_scaled_rate(trainable):
+    """Adam's first step moves each parameter by its group's rate (m / sqrt(v) = sign(g)): the rotation's generator
+    by lr * ROTATION_WIDTH / d, every per-channel parameter by lr; each trainable parameter in exactly one group."""
+    model, adapter, transforms = _setup("deepseek_v3")
+    modules = list(adapter.attention_modules(model))
+    layers = _layer_paths(model, adapter, modules, transforms)
+    cfg = ModelLevelConfig(lr=1e-2)
+    opt = optimizer(layers, trainable, cfg)
+    grouped = [p for g in opt.param_groups for p in g["params"]]
+    wanted = [p for lp in layers.values() for path in trainable for p in getattr(lp, path).parameters()]
+    assert len(grouped) == len(wanted) and {id(p) for p in grouped} == {id(p) for p in wanted}
+    before = {id(p): p.detach().clone() for p in grouped}
+    g = torch.Generator().manual_seed(3)
+    for p in grouped:
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    opt.step()
+    d = transforms[0][0].rotation.shape[0]
+    for lp in layers.values():
+        for path in trainable:
+            for name, p in getattr(lp, path).named_parameters():
+                rate = cfg.rotation_rate(d) if name == "skew" else cfg.lr
+                step = (p.detach() - before[id(p)]).abs()
+                assert step.max().item() == pytest.approx(rate, rel=1e-3), (path, name)
+    assert ("content" in trainable) == any(g["name"] == "rotation" for g in opt.param_groups)
 
 
 def test_layer_stage_is_reused_and_checked():

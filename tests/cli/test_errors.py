@@ -124,6 +124,7 @@ def test_bad_scheme_method_group_before_any_weight(no_weights):
     _usage_error(["calibrate", "--out", "x", "--method", "gptq"], "method='gptq'", "valid: rtn")
     _usage_error(["calibrate", "--out", "x", "--scheme", "c4r9"], "'c4r9'", "valid: bf16")
     _usage_error(["calibrate", "--out", "x", "--model-objective", "mse"], "'mse'", "valid: kl, ce")
+    _usage_error(["calibrate", "--out", "x", "--model-rotation-lr", "0"], "rotation_lr=0.0", "must be > 0")
 
 
 @pytest.mark.parametrize("error", [ValueError("something deep\n  went wrong"), KeyError("a genuine bug")])

@@ -53,6 +53,9 @@ class CalibrationConfig:
     seed: int = 0
     model_steps: int = 150  # quantmla's model-level stage (0: layer objectives only)
     model_lr: float = 1e-3
+    #: Adam's rate for the content rotations' generators in the model-level stage (None: model_lr scaled by
+    #: the latent's width, ``ModelLevelConfig.rotation_rate``)
+    model_rotation_lr: float | None = None
     model_objective: str = "kl"
     #: tokens per sequence of the model-level stage (None: seq_len): consecutive calibration windows joined, so
     #: the stage sees the cache at the context it will serve (the layer stage stays at seq_len)
@@ -77,7 +80,7 @@ class CalibrationConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         LearnConfig(self.steps, self.lr)
-        ModelLevelConfig(self.model_steps, self.model_lr, self.batch_size, objective=self.model_objective)
+        self.model_level()
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink={self.sink} and recent={self.recent} must be >= 0")
         for name in ("model_seq_len", "rope_fit_seq_len"):
@@ -93,9 +96,17 @@ class CalibrationConfig:
                     f"calibration and {self.val_seqs} held-out sequences' tokens (e.g. {self.seq_len * 2})"
                 )
 
+    def model_level(self) -> ModelLevelConfig:
+        """The model-level stage's configuration."""
+        return ModelLevelConfig(
+            self.model_steps, self.model_lr, self.batch_size, objective=self.model_objective,
+            rotation_lr=self.model_rotation_lr,
+        )  # fmt: skip
+
     def layer_key(self) -> tuple:
         """The fields the layer stage depends on (everything but the windows and the model-level stage)."""
-        skip = {"sink", "recent", "model_steps", "model_lr", "model_objective", "model_seq_len", "rope_fit_seq_len"}
+        skip = {"sink", "recent", "model_steps", "model_lr", "model_rotation_lr", "model_objective", "model_seq_len",
+                "rope_fit_seq_len"}  # fmt: skip
         fields = asdict(self)
         if fields["method"] in QUANTMLA_METHODS:  # quantmla-raq's layer stage is QuantMLA's: one stage serves both
             fields["method"] = "quantmla"
@@ -401,7 +412,7 @@ def _model_stage(model, adapter, modules, train_w, val_w, cfg, stage: LayerStage
             starts[name] = start
     gains = {idx: latent_gain(adapter, attn) for idx, attn in modules}
     pairs = {idx: adapter.rope_layout(model.config).cache_pairs(attn.qk_rope_head_dim) for idx, attn in modules}
-    mcfg = ModelLevelConfig(cfg.model_steps, cfg.model_lr, cfg.batch_size, objective=cfg.model_objective)
+    mcfg = cfg.model_level()
     return refine(
         model, modules, starts, gains, pairs, train_w, val_w, parse_scheme(cfg.scheme), cfg.group_size,
         cfg.sink, cfg.recent, mcfg, trainable=cfg.paths, progress=progress,

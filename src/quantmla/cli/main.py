@@ -190,6 +190,12 @@ def calibrate(
         150, min=0, help="QuantMLA's model-level steps: all layers jointly against the model's output (0: skip)."
     ),
     model_lr: float = typer.Option(1e-3, min=0.0, help="Learning rate of the model-level stage."),
+    model_rotation_lr: float = typer.Option(
+        None,
+        min=0.0,
+        help="Learning rate of the content rotations in the model-level stage (default: --model-lr x 4 / the "
+        "latent's width, so a step turns the rotation equally at any width).",
+    ),
     model_objective: str = typer.Option("kl", help="Model-level objective: kl (to full precision) or ce."),
     num_seqs: int = typer.Option(128, min=1, help="Calibration sequences."),
     val_seqs: int = typer.Option(32, min=1, help="Held-out sequences (best step)."),
@@ -251,7 +257,8 @@ def calibrate(
     kwargs = dict(
         scheme=scheme, method=method, steps=steps, num_seqs=num_seqs, val_seqs=val_seqs, seq_len=seq_len,
         batch_size=batch_size, sink=sink, recent=recent, seed=seed, model_steps=model_steps, model_lr=model_lr,
-        model_objective=model_objective, model_seq_len=model_seq_len, rope_fit_seq_len=rope_fit_seq_len,
+        model_rotation_lr=model_rotation_lr, model_objective=model_objective, model_seq_len=model_seq_len,
+        rope_fit_seq_len=rope_fit_seq_len,
     )  # fmt: skip
     with user_errors():  # every input is checked before a weight is read
         spread = _devices(devices)
