@@ -6,7 +6,8 @@
 # first run by its deadline); then, in the time left, the README's RTN perplexity table per scheme.
 # Everything under $W is packed into $OUT/rate.tar.gz every 20 s and at the end.
 # usage (on the device): scripts/rotation_rate_gpu.sh [DEADLINE_S] [NIAH_PER_CELL]; then here:
-#   python scripts/calibration_results.py --out OUT --merge W/q/* W/quarot   (the folders from rate.tar.gz)
+#   python scripts/calibration_results.py --out OUT --merge P1A P1B W/q/* W/quarot   (W/: the folders from
+#   rate.tar.gz; P1A, P1B: the baselines' folders p1a and p1b of scripts/model_v2_calibration_gpu.sh's calib.tar.gz)
 set -u
 export PYTHONPATH=src
 DEADLINE=${1:-540}
