@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Packs a directory of wheels into parts for the GPU machine, which takes at most 64 MiB a call (tree included).
 #
-#   bash scripts/pack_wheels.sh WHEEL_DIR OUT_DIR [MIB]     (MIB: the part size, default 56; the tree is ~7 MiB)
+#   bash scripts/pack_wheels.sh WHEEL_DIR OUT_DIR [MIB]     (MIB: the part size, default 56; the tree is ~26 MB)
 #
 # Each wheel is rewritten with its members stored (the same names, bytes and modes, checked member by member, so
 # RECORD holds and pip installs it unchanged), then the whole set is xz-compressed across wheels and split: vLLM

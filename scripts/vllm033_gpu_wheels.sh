@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM 0.33's wheels for the GPU machine (torch 2.14.0 with CUDA 13.0, triton 3.8.0), slimmed and packed into 13
-# parts of 56 MiB (scripts/pack_wheels.sh).
+# parts of 56 MiB (scripts/pack_wheels.sh; PART_MIB sets the size: 36 leaves room for a tree of ~26 MB).
 #
 #   bash scripts/vllm033_gpu_wheels.sh     downloads the new wheels into .wheels-src-033, takes the rest of the set
 #                                          from .wheels-slim (scripts/vllm_gpu_wheels.sh: the 0.26 set, at versions
@@ -57,5 +57,5 @@ for w in .wheels-src-033/*.whl; do
   *) cp "$w" .wheels-slim-033/ ;;
   esac
 done
-bash scripts/pack_wheels.sh .wheels-slim-033 .wheels033 56
+bash scripts/pack_wheels.sh .wheels-slim-033 .wheels033 "${PART_MIB:-56}"
 echo "then: TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # vLLM 0.26's wheels for the H200 runs of scripts/serving_gpu.sh, slimmed and packed into 3 parts of 56 MiB
 # (scripts/pack_wheels.sh; 6 parts of 40 MiB before).
+# A call carries 64 MiB with the tree: with the bundled model's shards in the tree (~26 MB) 56 MiB parts need the
+# shards moved out for the upload calls; PART_MIB=36 gives 4 parts that travel with the whole tree.
 #
 #   bash scripts/vllm_gpu_wheels.sh        downloads ../shared/tools/vllm-gpu-wheels.txt into .wheels-src, repacks
 #                                          the vllm wheel without what a DeepSeek-V2 run on sm_90 never loads,
@@ -25,4 +27,4 @@ trap 'rm -rf "$work"' EXIT
 rm -rf .wheels-slim && mkdir .wheels-slim
 cp .wheels-src/*.whl .wheels-slim/
 mv "$work/../vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl" .wheels-slim/
-bash scripts/pack_wheels.sh .wheels-slim .wheels 56
+bash scripts/pack_wheels.sh .wheels-slim .wheels "${PART_MIB:-56}"
