@@ -60,6 +60,12 @@ alloc_pair() {  # scheme, name suffix: raq-alloc and RAQ-MLA side by side, with 
   run "alloc${2:-}" "raq-alloc/$1" "$R"
   run "raq4k${2:-}" "raq/$1" "$R"
 }
+layer_stages() {  # schemes, timeout, per-process limit (s): QuantMLA's layer stages into $Q/stages, one process a layer
+  Q=$W/quantmla; mkdir -p "$Q/stages"
+  SCHEMES="$1" WINDOWS=none ABLATION=0 timeout "$2" \
+    bash scripts/calibration_results_gpu.sh "$Q" "$3" > "$W/logs/stages.log" 2>&1
+  echo "layer stages: rc $? at $(($(date +%s) - t0)) s"
+}
 if [ "$PART" = collect ]; then W=/tmp/rel${COLLECT_PART:-4}; collect "${COLLECT_S:-560}"; fi
 if [ "$PART" = 8 ]; then
   # eight processes side by side, two threads each (the machine has 16 cores): part 7's pair at the three budgets,
@@ -75,11 +81,9 @@ if [ "$PART" = 9 ]; then
   # QuantMLA's layer stages at the three budgets' schemes (one process per scheme and layer), then the combined
   # method on them side by side, as part 4 ran it (RAQ-MLA's post-RoPE fits at 4,096-token windows)
   # ($COMB_SCHEMES: a subset of c4r4 and $NEW_SCHEMES)
-  Q=$W/quantmla; mkdir -p "$Q/stages"
-  SCHEMES="${COMB_SCHEMES:-c4r4 $NEW_SCHEMES}" WINDOWS=none ABLATION=0 timeout 260 \
-    bash scripts/calibration_results_gpu.sh "$Q" 250 > "$W/logs/stages.log" 2>&1
-  echo "layer stages: rc $? at $(($(date +%s) - t0)) s"
-  for s in ${COMB_SCHEMES:-c4r4 $NEW_SCHEMES}; do
+  schemes=${COMB_SCHEMES:-c4r4 $NEW_SCHEMES}
+  layer_stages "$schemes" 260 250
+  for s in $schemes; do
     run "comb-$s" "quantmla-raq/$s" "--rope-fit-seq-len 4096 --layer-stages $Q/stages"
   done
   end_part
@@ -111,10 +115,7 @@ if [ "$PART" = 4 ]; then
   run nw-rtn rtn/c2r4,rtn/c2g128r4 "$nw"
   run nw-rolaq-27 rolaq/c2r4 "$nw --steps 150"
   run nw-rolaq-25 rolaq/c2g128r4 "$nw --steps 150"
-  Q=$W/quantmla; mkdir -p "$Q/stages"
-  SCHEMES="$NEW_SCHEMES" WINDOWS=none ABLATION=0 timeout 400 \
-    bash scripts/calibration_results_gpu.sh "$Q" 300 > "$W/logs/stages.log" 2>&1
-  echo "layer stages: rc $? at $(($(date +%s) - t0)) s"
+  layer_stages "$NEW_SCHEMES" 400 300
   run comb-27 quantmla-raq/c2q94r4p64 "$R --layer-stages $Q/stages"
   run comb-25 quantmla-raq/c2g128q94r4p128 "$R --layer-stages $Q/stages"
   finish
@@ -137,10 +138,7 @@ fi
 if [ "$PART" = 6 ]; then
   S=c4g128r4p128
   run rtn-45b rtn/$S
-  Q=$W/quantmla; mkdir -p "$Q/stages"
-  SCHEMES=$S WINDOWS=none ABLATION=0 timeout "${STAGE_S:-300}" \
-    bash scripts/calibration_results_gpu.sh "$Q" "${STAGE_S:-300}" > "$W/logs/stages.log" 2>&1
-  echo "layer stage: rc $? at $(($(date +%s) - t0)) s"
+  layer_stages "$S" "${STAGE_S:-300}" "${STAGE_S:-300}"
   run comb-45b quantmla-raq/$S "--rope-fit-seq-len 4096 --layer-stages $Q/stages"
   end_part
 fi
