@@ -9,8 +9,12 @@
 #                                              counts SPLITS, float16 partials, the combine's steps CHUNKS and
 #                                              launches LAUNCHES (BLOCK_T/WARPS/STAGES) on CASES; needs no vLLM, so
 #                                              it can share the first wheel-part call
-#   bash scripts/serving_gpu.sh test           tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16, CUDA graphs)
-#                                              and test_vllm_gpu_fp8_export.py (FP8 V3-config exports in vLLM)
+#   bash scripts/serving_gpu.sh test [ARGS]    tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16, CUDA graphs)
+#                                              and test_vllm_gpu_fp8_export.py (FP8 V3-config exports in vLLM); about
+#                                              12 engines, over 10 minutes on a fresh machine: ARGS (pytest's) split
+#                                              them over calls, e.g. `tests/serving/test_vllm_gpu.py -k "not prefix and
+#                                              not mtp"`, then `tests/serving/test_vllm_gpu.py -k "prefix or mtp"
+#                                              tests/serving/test_vllm_gpu_fp8_export.py`
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #                                              (DECODE_CASES: requests x context, comma list)
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights;
@@ -64,7 +68,9 @@ sweep)
 kernels)
   python -m pytest -q -p no:cacheprovider tests/kernels tests/serving/test_shadow_kernels.py tests/serving/test_windows.py;;
 test)
-  python -m pytest -q -s tests/serving/test_vllm_gpu.py tests/serving/test_vllm_gpu_fp8_export.py -p no:cacheprovider;;
+  shift
+  [ $# -gt 0 ] || set -- tests/serving/test_vllm_gpu.py tests/serving/test_vllm_gpu_fp8_export.py
+  python -m pytest -q -s -p no:cacheprovider "$@";;
 decode)
   python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20 \
     ${DECODE_CASES:+--decode-cases "$DECODE_CASES"};;

@@ -40,8 +40,9 @@ def model_dir(tmp_path_factory) -> str:
     return str(d)
 
 
-def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False, speculative=None, **kw):
-    """Greedy outputs of one engine; ``speculative``: vLLM's ``speculative_config``; ``kw``: more engine arguments."""
+def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False, speculative=None, then=(), **kw):
+    """Greedy outputs of one engine; ``speculative``: vLLM's ``speculative_config``; ``then``: prompts generated
+    after ``prompts`` finish (their outputs appended); ``kw``: more engine arguments."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -52,7 +53,9 @@ def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=F
               max_num_batched_tokens=batched_tokens,
               gpu_memory_utilization=0.3, skip_tokenizer_init=True, disable_log_stats=False, **spec, **kw)  # fmt: skip
     sp = SamplingParams(max_tokens=GEN, temperature=0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    outs = []
+    for wave in [prompts, *then]:
+        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in wave], sp, use_tqdm=False)
     res = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [
@@ -61,6 +64,7 @@ def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=F
         "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
         "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
         "spec": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name},
+        "prefix": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "prefix_cache" in m.name},
     }
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -165,6 +169,41 @@ def test_chunked_prefill_reads_the_context_from_the_pages(runs, model_dir):
     print(f"c4r4 chunked: mean |logprob vLLM - quantmla, same chunks| {engines:.4g}; vLLM - unquantised {damage:.4g};"
           f" vLLM - quantmla in one chunk {mean_abs_diff(got['logprobs'], one):.4g}")  # fmt: skip
     assert engines < damage, (engines, damage)
+
+
+#: a prefix-cache hit: the second prompt shares the first's 6 blocks (384 tokens), so its context's sinks (0-3) and
+#: the recent window's tokens 296-383 come from records another request wrote, with no unquantised copy
+HIT_FIRST = list(range(300, 700))
+HIT_SECOND = HIT_FIRST[:384] + list(range(1000, 1040))
+
+
+@pytest.fixture(scope="module")
+def prefix_runs(model_dir):
+    """C4R4 with vLLM's prefix caching on and off: the first prompt, then (after it finished) the second."""
+    return {hit: run_engine(model_dir, "c4r4", prompts=[HIT_FIRST], then=[[HIT_SECOND]], enable_prefix_caching=hit)
+            for hit in (True, False)}  # fmt: skip
+
+
+def test_prefix_cache_hits_read_their_windows_as_stored(prefix_runs, model_dir):
+    """With prefix caching on, the second request's hit blocks are read as stored: its sinks and part of its recent
+    window are quantised where QuantizedLatentCache holds them unquantised (the README states the difference).
+    Bounds as for every scheme against QuantizedLatentCache (BF16 on the same GPU): mean 0.1, each token 1.0; a stale
+    or wrong window row (another request's tokens) is far outside them."""
+    hit, miss = prefix_runs[True], prefix_runs[False]
+    hits = hit["prefix"].get("vllm:prefix_cache_hits") or 0
+    assert hits >= 384 and not (miss["prefix"].get("vllm:prefix_cache_hits") or 0), (hit["prefix"], miss["prefix"])
+    diffs = {}
+    for name, run in (("hit", hit), ("no prefix caching", miss)):
+        want = _teacher_forced_logprobs(model_dir, "c4r4", run["tokens"][1:], [HIT_SECOND], dtype=torch.bfloat16)
+        diffs[name] = mean_abs_diff(run["logprobs"][1:], want), max_abs_diff(run["logprobs"][1:], want)
+    lens, between = _common_prefix({k: v[1:] for k, v in hit.items() if k in ("tokens", "logprobs")},
+                                   {k: v[1:] for k, v in miss.items() if k in ("tokens", "logprobs")})  # fmt: skip
+    print(f"c4r4 prefix-cache hit ({hits} tokens): per token |logprob vLLM - quantmla BF16| mean / max "
+          f"{diffs['hit'][0]:.3g} / {diffs['hit'][1]:.3g}; without prefix caching {diffs['no prefix caching'][0]:.3g}"
+          f" / {diffs['no prefix caching'][1]:.3g}; hit vs no caching: tokens equal for {lens} of {GEN}, mean"
+          f" |logprob diff| {between:.4g}")  # fmt: skip
+    for mean, top in diffs.values():
+        assert mean <= 0.1 and top <= 1.0, diffs
 
 
 #: DeepSeek-V3's attention (q LoRA, 512 + 64, heads of 128 + 64 / 128) and one multi-token-prediction layer, small
