@@ -45,6 +45,11 @@ if [ -n "${TRIAL_VLLM:-}" ]; then
   # vLLM 0.33's torch 2.14 is built with cuDNN 9.24; the image has 9.19 (scripts/vllm033_gpu_wheels.sh)
   export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 fi
+# TRIAL_CODECS=1: the first GPU runs of per-layer codecs on CUDA (selection.CUDA_CODECS), turned on in this copy
+if [ -n "${TRIAL_CODECS:-}" ]; then
+  sed -i "s/^CUDA_CODECS = False$/CUDA_CODECS = True/" src/quantmla/serving/vllm/selection.py
+  grep -q "^CUDA_CODECS = True$" src/quantmla/serving/vllm/selection.py || { echo "TRIAL_CODECS: selection.CUDA_CODECS not as expected" >&2; exit 2; }
+fi
 export PYTHONPATH=/tmp/site:$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 # the test process may have initialised CUDA before vLLM forks its engine core
 export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}

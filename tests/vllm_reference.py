@@ -44,3 +44,47 @@ def mean_abs_diff(a, b) -> float:
 
 def max_abs_diff(a, b) -> float:
     return max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+
+
+def codec_export(model_dir, out, layers: list[tuple[str, str]], dims: tuple[int, int] = (512, 64), seed: int = 0,
+                 strength: float = 0.2) -> str:  # fmt: skip
+    """An export of ``model_dir`` (weights unchanged, copied into ``out``) with a per-layer codec: ``layers`` gives
+    each layer's scheme and what is fitted on it: ``"transforms"`` (RAQ-MLA-like invertible write-side transforms
+    of both paths, ``I + strength N / sqrt(d)``), ``"ranges"`` (RoLaQ-like learned ranges on the content) or
+    ``""``. ``dims``: the model's latent and RoPE widths."""
+    import shutil
+    from pathlib import Path
+
+    from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
+    from quantmla.formats.export import write_codec, write_meta
+    from quantmla.formats.scheme import parse_scheme
+
+    out = Path(out)
+    for f in Path(model_dir).iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(seed)
+
+    def transform(d):
+        noise = torch.randn(d, d, generator=g, dtype=torch.float64)
+        return torch.eye(d, dtype=torch.float64) + strength * noise / d**0.5
+
+    codecs = []
+    for name, fit in layers:
+        s = parse_scheme(name)
+        content, rope = PathCodec(s.content), PathCodec(s.rope)
+        if fit == "transforms":
+            content = PathCodec(s.content, transform=transform(dims[0]))
+            rope = PathCodec(s.rope, transform=transform(dims[1]))
+        elif fit == "ranges":
+            n = dims[0] // 64
+            ratio = 0.7 + 0.3 * torch.rand(n, generator=g, dtype=torch.float64)
+            gain = 1 + 0.05 * torch.rand(n, generator=g, dtype=torch.float64)
+            content = PathCodec(s.content, clip_ratio=ratio, gain=gain)
+        elif fit:
+            raise ValueError(f"fit {fit!r}: give 'transforms', 'ranges' or ''")
+        codecs.append(LayerCodec(content, rope))
+    _, names = write_codec(out, ModelCodec("raq c4r4", tuple(codecs)))
+    write_meta(out, {"format": 1, "scheme": "c4r4", "method": "raq", "group_size": 64, "sink": 4, "recent": 128,
+                     "layer_schemes": names})  # fmt: skip
+    return str(out)

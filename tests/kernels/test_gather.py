@@ -11,9 +11,11 @@ from quantmla.kernels.gather import gather_rows, has_fused_gather
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _pages(scheme: str, dc: int, dr: int, group: int, nb: int = 6, bs: int = 32, seed: int = 0):
+def _pages(scheme: str, dc: int, dr: int, group: int, nb: int = 6, bs: int = 32, seed: int = 0, pad: int = 0):
     g = torch.Generator().manual_seed(seed)
     lay = RecordLayout(scheme, dc, dr, group)
+    if pad:  # records padded (a per-layer codec's engine pages every layer at the largest record)
+        lay = RecordLayout(scheme, dc, dr, group, pad_to=lay.record_bytes + pad)
     pages = torch.zeros(nb, bs, lay.record_bytes, dtype=torch.uint8, device=DEV)
     slots = torch.randperm(nb * bs, generator=g)[: nb * bs // 2].to(DEV)
     c = (torch.randn(slots.numel(), dc, generator=g) * 3).to(DEV)
@@ -22,10 +24,11 @@ def _pages(scheme: str, dc: int, dr: int, group: int, nb: int = 6, bs: int = 32,
     return lay, pages, slots, g
 
 
-@pytest.mark.parametrize(("scheme", "dc", "dr", "group"), [("c4r4", 128, 64, 64), ("c2r4", 128, 64, 32),
-                                                           ("c4r4", 512, 64, 64), ("bf16", 128, 64, 64)])  # fmt: skip
-def test_the_fused_gather_equals_the_torch_read(scheme, dc, dr, group):
-    lay, pages, slots, g = _pages(scheme, dc, dr, group)
+@pytest.mark.parametrize(("scheme", "dc", "dr", "group", "pad"), [
+    ("c4r4", 128, 64, 64, 0), ("c2r4", 128, 64, 32, 0), ("c4r4", 512, 64, 64, 0), ("bf16", 128, 64, 64, 0),
+    ("c2r4", 128, 64, 64, 144), ("bf16", 128, 64, 64, 48)])  # fmt: skip
+def test_the_fused_gather_equals_the_torch_read(scheme, dc, dr, group, pad):
+    lay, pages, slots, g = _pages(scheme, dc, dr, group, pad=pad)
     pick = slots[torch.randint(slots.numel(), (40,), generator=g).to(DEV)]
     got = torch.empty(40, dc + dr, dtype=torch.bfloat16, device=DEV)
     gather_rows(lay, pages, pick, got)

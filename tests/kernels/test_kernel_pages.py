@@ -12,10 +12,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BITS = {"bf16": (16, 16), "c4r4": (4, 4), "c2r4": (2, 4)}
 
 
-def _fill(scheme: str, lens, dc=128, page=16, seed=0):
-    """The same tokens written into field-major pages and into the kernels' store, at the same pages."""
+def _fill(scheme: str, lens, dc=128, page=16, seed=0, pad=0):
+    """The same tokens written into field-major pages and into the kernels' store, at the same pages; ``pad``: bytes
+    added to each record (an engine whose layers share the largest layer's record)."""
     g = torch.Generator().manual_seed(seed)
     rec = RecordLayout(scheme, dc, 64, 64)
+    if pad:
+        rec = RecordLayout(scheme, dc, 64, 64, pad_to=rec.record_bytes + pad)
     store = PagedLatentStore(PagedLayout(*BITS[scheme], kv_lora_rank=dc, rope_dim=64, page_size=page), 12, DEV)
     pages = torch.randint(0, 256, (12, page, rec.record_bytes), generator=g, dtype=torch.uint8).to(DEV)
     maxp = -(-max(lens) // page)
@@ -55,13 +58,15 @@ def test_schemes_without_a_kernel_say_why():
         PagedLatentStore.from_pages(pages.float(), RecordLayout("c8r8"))
 
 
+@pytest.mark.parametrize("pad", [0, 144])
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4", "bf16"])
-def test_decode_over_pages_in_place_equals_the_kernel_store(scheme):
+def test_decode_over_pages_in_place_equals_the_kernel_store(scheme, pad):
+    """``pad``: records padded (a per-layer codec's engine pages every layer at the largest record)."""
     pytest.importorskip("triton", reason="triton is an optional dependency")
     from quantmla.kernels.decode import mla_decode
 
     lens = [37, 16, 5]
-    rec, store, pages, bt = _fill(scheme, lens, seed=3)
+    rec, store, pages, bt = _fill(scheme, lens, seed=3, pad=pad)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, 16, 128, generator=g).bfloat16().to(DEV)
     qr = torch.randn(3, 16, 64, generator=g).bfloat16().to(DEV)

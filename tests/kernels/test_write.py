@@ -20,10 +20,13 @@ def _tokens(n: int, d: int, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("scheme", "group"), [("c4r4", 64), ("c2r4", 64), ("c4r4", 32), ("c2r4", 16), ("bf16", 64)])
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_fused_write_equals_the_torch_write_byte_for_byte(scheme, group, block_size):
+@pytest.mark.parametrize(("block_size", "pad"), [(16, 0), (64, 0), (16, 144)])
+def test_fused_write_equals_the_torch_write_byte_for_byte(scheme, group, block_size, pad):
+    """``pad``: records padded (a per-layer codec's engine pages every layer at the largest record)."""
     g = torch.Generator().manual_seed(7)
     lay = RecordLayout(scheme, 512, 64, group)
+    if pad:
+        lay = RecordLayout(scheme, 512, 64, group, pad_to=lay.record_bytes + pad)
     n, blocks = 24, 4
     wide = _tokens(n, 600, g)  # strided rows, as vLLM passes its latent
     c, r = wide[:, :512], _tokens(n, 64, g)

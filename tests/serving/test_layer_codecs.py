@@ -8,7 +8,7 @@ import torch
 from quantmla import QuantizedLatentCache
 from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.formats.scheme import parse_scheme
-from quantmla.serving.layer_codecs import interleaved_to_rotate_half, served_layers
+from quantmla.serving.layer_codecs import interleaved_to_rotate_half, runs_kernels, served_layers
 from quantmla.serving.paged_decode import paged_decode
 from tiny_models import tiny_config
 
@@ -72,3 +72,59 @@ def test_a_format_without_a_token_record_is_refused():
     codec = ModelCodec("paged", (LayerCodec(PathCodec(s.content), PathCodec(s.rope)),))
     with pytest.raises(ValueError, match="layer 0 .*per-channel-in-page format 'r4p64' has no per-token record"):
         served_layers(codec, DC, DR, 64)
+
+
+@pytest.mark.parametrize("engine_order", [False, True])
+def test_from_stored_inverts_the_stored_space(engine_order):
+    """A prefill reads its context back from the stored space: ``from_stored(stored_space(c, r)) == (c, r)``, the key
+    in the engine's channel order again (float64: exact up to the transform's inverse)."""
+    order = interleaved_to_rotate_half(DR) if engine_order else None
+    g = torch.Generator().manual_seed(2)
+    c, r = torch.randn(9, DC, generator=g, dtype=torch.float64), torch.randn(9, DR, generator=g, dtype=torch.float64)
+    for served in served_layers(_codec(), DC, DR, 64, order):
+        sc, sr = served.stored_space(c, r)
+        if served.transformed:
+            assert not torch.allclose(sc.double(), c)  # not the identity: the round trip means something
+        if engine_order:
+            assert not torch.equal(sr.double(), r) or served.transformed
+        bc, br = served.from_stored(sc.double(), sr.double())
+        torch.testing.assert_close(bc.double(), c, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(br.double(), r, atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_on_its_device_copies_nothing_from_the_host(monkeypatch):
+    """After ``to(device)`` the writes' and reads' transforms and RoPE order make no tensor from host data (what a
+    CUDA graph could not capture), and they compute what the layer did before the move."""
+    order = interleaved_to_rotate_half(DR)
+    g = torch.Generator().manual_seed(3)
+    c, r = torch.randn(5, DC, generator=g), torch.randn(5, DR, generator=g)
+    q_lat, q_pe = torch.randn(5, H, DC, generator=g), torch.randn(5, H, DR, generator=g)
+
+    def steps(lay):
+        return (*lay.stored_space(c, r), *lay.queries(q_lat, q_pe), lay.output(q_lat), *lay.from_stored(c, r))
+
+    for served in served_layers(_codec(), DC, DR, 64, order):
+        want = steps(served)
+        moved = served.to("cpu")
+
+        def no_host_tensor(*args, **kwargs):
+            raise AssertionError("a tensor made from host data in a step")
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "tensor", no_host_tensor)
+            m.setattr(torch, "as_tensor", no_host_tensor)
+            got = steps(moved)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_which_layers_the_kernels_serve():
+    """The Triton kernels write and read plain per-token bf16 / c4r4 / c2r4 layers, transforms around them; learned
+    ranges (the torch quantiser) and other formats take the torch path."""
+    codec = _codec()  # layer 0: c4r4 with transforms; layer 1: c2r3t with learned ranges
+    s = parse_scheme("c2r4")
+    ranged = LayerCodec(PathCodec(s.content, clip_ratio=torch.full((DC // 64,), 0.8), gain=torch.ones(DC // 64)),
+                        PathCodec(s.rope))  # fmt: skip
+    layers = served_layers(ModelCodec("mixed", (*codec.layers, ranged, LayerCodec.of("c2r4"), LayerCodec.of("bf16"),
+                                                 LayerCodec.of("c3r4"))), DC, DR, 64)  # fmt: skip
+    assert [runs_kernels(lay) for lay in layers] == [True, False, False, True, True, False]

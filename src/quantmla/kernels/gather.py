@@ -68,7 +68,8 @@ def _gather_kernel(
             tl.store(out + tl.arange(0, DC), bf16_bits(c))
             tl.store(out + DC + tl.arange(0, DR), bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
-            rec = P16 + (page + off * REC) // 2  # not `row`: Triton types a name once across both branches
+            # the one field [c | k^R], field-major in the page; not `row`: Triton types a name once across branches
+            rec = P16 + (page + off * (2 * (DC + DR))) // 2
             tl.store(out + tl.arange(0, DC), tl.load(rec + tl.arange(0, DC)))
             tl.store(out + DC + tl.arange(0, DR), tl.load(rec + DC + tl.arange(0, DR)))
 

@@ -109,7 +109,7 @@ def _write_kernel(
                     tl.store(srow + tl.arange(0, DC), bf16_bits(c))
                     tl.store(srow + DC + tl.arange(0, DR), bf16_bits(r))
         else:  # one BF16 field [c | k^R] a token
-            row = P16 + (page + off * REC) // 2
+            row = P16 + (page + off * (2 * (DC + DR))) // 2  # the one field [c | k^R], field-major in the page
             tl.store(row + tl.arange(0, DC), bf16_bits(c))
             tl.store(row + DC + tl.arange(0, DR), bf16_bits(r))
 

@@ -21,12 +21,13 @@ A format that is not per token (``p<P>``: per channel within pages) has no recor
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from quantmla.formats.codec import LayerCodec, ModelCodec
+from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.formats.records import RecordLayout
+from quantmla.kernels.layout import NoKernelLayout, PagedLayout
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +39,34 @@ class ServedLayer:
     codec: LayerCodec | None = None
     #: the RoPE channels in the calibration's order: ``k_cal = k_engine[..., rope_order]`` (``None``: the same)
     rope_order: tuple[int, ...] | None = None
+    #: ``rope_order`` and its inverse as index tensors, per device (made once: a read or write copies nothing
+    #: from the host, so CUDA graphs can capture it)
+    _indices: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def to(self, device: torch.device | str) -> ServedLayer:
+        """This layer with its codec's tensors on ``device``, their inverses and the RoPE order's index tensors
+        made there now (an engine's steps then copy nothing from the host)."""
+
+        def move(p: PathCodec) -> PathCodec:
+            t = [None if x is None else x.to(device) for x in (p.transform, p.clip_ratio, p.gain)]
+            return PathCodec(p.fmt, *t)
+
+        codec = None if self.codec is None else LayerCodec(move(self.codec.content), move(self.codec.rope))
+        out = ServedLayer(self.layout, codec, self.rope_order)
+        if codec is not None:
+            for p in (codec.content, codec.rope):
+                _ = p.inverse  # computed on the device now, not in a step
+        if self.rope_order is not None:
+            for inverse in (False, True):
+                out._index(torch.device(device), inverse)
+        return out
+
+    def _index(self, device: torch.device, inverse: bool = False) -> torch.Tensor:
+        key = (str(device), inverse)
+        if key not in self._indices:
+            order = torch.tensor(self.rope_order, device=device)
+            self._indices[key] = torch.argsort(order) if inverse else order
+        return self._indices[key]
 
     @functools.cached_property
     def _inverses(self):
@@ -61,7 +90,7 @@ class ServedLayer:
     def _order(self, x: torch.Tensor) -> torch.Tensor:
         if self.rope_order is None:
             return x
-        return x[..., torch.tensor(self.rope_order, device=x.device)]
+        return x[..., self._index(x.device)]
 
     def stored_space(self, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as the layer stores them: ``(c A_c, k^R A_R)`` (float32; the key in the calibration's
@@ -71,6 +100,16 @@ class ServedLayer:
             return c, r
         path_c, path_r = self.codec.content, self.codec.rope
         return path_c.forward(c.float()), path_r.forward(r.float())
+
+    def from_stored(self, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens read back in the layer's stored space as the engine's model uses them: ``(c A_c^-1, k^R A_R^-1)``,
+        the key in the engine's channel order (the inverse of :meth:`stored_space`; float32 where transformed).
+        A prefill reads its context this way."""
+        if self.transformed:
+            c, r = self.codec.content.backward(c.float()), self.codec.rope.backward(r.float())
+        if self.rope_order is not None:
+            r = r[..., self._index(r.device, inverse=True)]
+        return c, r
 
     def queries(self, q_lat: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The absorbed query and the RoPE query in the stored space: ``q_lat A_c^-T``, ``q_pe A_R^-T`` (the RoPE
@@ -85,6 +124,20 @@ class ServedLayer:
         if self.codec is None or self.codec.content.transform is None:
             return o_lat
         return self.codec.content.backward(o_lat.float()).to(o_lat.dtype)
+
+
+def runs_kernels(layer: ServedLayer) -> bool:
+    """Whether a layer is written, decoded and gathered by the Triton kernels (:mod:`quantmla.kernels`): a kernel
+    format (``bf16``, ``c4r4``, ``c2r4`` in plain per-token groups) without learned ranges (those are written by the
+    torch quantiser, which checks them on the host). Its transforms and RoPE order are device matmuls and gathers
+    around the kernels."""
+    lay = layer.layout
+    try:
+        PagedLayout.for_scheme(lay.scheme, kv_lora_rank=lay.kv_lora_rank, rope_dim=lay.rope_dim,
+                               group_size=lay.group_size)  # fmt: skip
+    except NoKernelLayout:
+        return False
+    return layer.ranges is None
 
 
 def interleaved_to_rotate_half(dim: int) -> tuple[int, ...]:

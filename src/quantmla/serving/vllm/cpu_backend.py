@@ -35,7 +35,13 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.formats.records import RecordLayout
 from quantmla.serving.paged_decode import fused_decode, paged_decode
-from quantmla.serving.vllm.plugin_state import current_selection, log_once, mla_geometry, served_layers_of
+from quantmla.serving.vllm.plugin_state import (
+    cache_index_of,
+    current_selection,
+    log_once,
+    mla_geometry,
+    served_layers_of,
+)
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
 from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window_config
 
@@ -208,21 +214,3 @@ def patch_backend_choice() -> None:
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
     original_choice = CpuPlatform.get_attn_backend_cls
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-
-
-def cache_index_of(kv_cache: torch.Tensor) -> int:
-    """The cache index (decoder layer) of the engine's MLA layer whose KV cache tensor is ``kv_cache``, from vLLM's
-    forward context (its layers by name, ``...layers.<i>...``)."""
-    import re
-
-    from vllm.forward_context import get_forward_context
-
-    for name, module in get_forward_context().no_compile_layers.items():
-        kv = getattr(module, "kv_cache", None)
-        kv = kv[0] if isinstance(kv, list | tuple) and kv else kv
-        if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() == kv_cache.data_ptr():
-            m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-            if m is None:
-                raise RuntimeError(f"quantmla: the MLA layer {name!r} names no decoder layer index")
-            return int(m.group(1))
-    raise RuntimeError("quantmla: no MLA layer of this engine holds this KV cache (a per-layer codec needs its index)")

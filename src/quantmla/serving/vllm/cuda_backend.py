@@ -25,6 +25,12 @@ vLLM's own classes: same metadata builder, same spec, same kernels. When it is a
   :data:`~quantmla.serving.vllm.short_extends.SHORT_EXTEND_TOKENS`: a chunked prompt's last piece) attends as
   that many decode rows, one kernel row a token (:mod:`quantmla.serving.vllm.short_extends`), as
   ``FLASH_ATTN_MLA`` sends such requests down its decode path;
+* an export's per-layer codec (:mod:`quantmla.serving.layer_codecs`: write-side transforms, learned ranges, a
+  format per layer; records padded to the largest) is bound per layer at its first write or read: the new tokens
+  go through the layer's transforms (and RoPE order) before the fused write, the decode's queries through their
+  compensation and its output back, a prefill's gathered context back from the stored space; learned ranges and
+  formats without a kernel write and decode through the torch path (no full CUDA graphs then). Refused at engine
+  start until its GPU test has run (``selection.CUDA_CODECS``);
 * the sink and recent windows of each request are read unquantised from BF16 shadows
   (:mod:`quantmla.serving.vllm.windowing`), planned once a step by the metadata builder outside the
   CUDA graph; the fused write also writes the shadow rows, and the decode kernel reads the pages for
@@ -52,13 +58,16 @@ from vllm.v1.attention.backends.mla.flashattn_mla import (
 from quantmla.formats.records import RecordLayout
 from quantmla.kernels.gather import has_fused_gather
 from quantmla.kernels.layout import NoKernelLayout, PagedLatentStore, PagedLayout
+from quantmla.serving.layer_codecs import ServedLayer, runs_kernels
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.vllm.plugin_state import (
+    cache_index_of,
     capture_sizes,
     current_selection,
     graph_min_batch,
     log_once,
     mla_geometry,
+    served_layers_of,
 )
 from quantmla.serving.vllm.short_extends import SHORT_EXTEND_TOKENS
 from quantmla.serving.vllm.step_plans import ContextChunk, StepPlans, context_runs, run_ends
@@ -92,9 +101,7 @@ class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommon
         sel = current_selection()
         cfg = window_config(sel)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, window_cfg=cfg, **kwargs)
-        if sel is not None and _has_kernel(sel.scheme):
-            d_c, d_r = mla_geometry()
-            layout = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
+        for layout in kernel_layouts(sel):
             if has_fused_gather(layout):  # else vLLM's first chunked prefill would wait for Triton's compiler
                 from quantmla.kernels.gather import warm_gather
 
@@ -104,9 +111,30 @@ class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommon
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         sel = current_selection()
-        if sel is not None and not _has_kernel(sel.scheme):
+        if sel is not None and not all_layers_run_kernels(sel):
+            log_once("quantmla plugin: a layer's scheme has no kernel or learned ranges (torch write): no full CUDA"
+                     " graphs for the decode")  # fmt: skip
             return AttentionCGSupport.NEVER
         return cls._cudagraph_support
+
+
+def kernel_layouts(sel) -> list[RecordLayout]:
+    """The distinct record layouts of the engine's layers that the Triton kernels read (none without a selection)."""
+    if sel is None:
+        return []
+    served = served_layers_of(sel)
+    if served is None:
+        if not _has_kernel(sel.scheme):
+            return []
+        d_c, d_r = mla_geometry()
+        return [RecordLayout(sel.scheme, d_c, d_r, sel.group_size)]
+    return list(dict.fromkeys(lay.layout for lay in served if runs_kernels(lay)))
+
+
+def all_layers_run_kernels(sel) -> bool:
+    """Whether every layer writes and decodes through the kernels (the condition for full CUDA graphs)."""
+    served = served_layers_of(sel)
+    return _has_kernel(sel.scheme) if served is None else all(runs_kernels(lay) for lay in served)
 
 
 class QuantMLACUDABackend(FlashAttnMLABackend):
@@ -140,25 +168,52 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         sel = current_selection()
         self.layout = None
         self.windows = None
+        self.kernel = False
+        # a per-layer codec (write-side transforms, learned ranges, a format per layer): this layer's is bound at
+        # its first cache write or read (its index from the KV cache it holds), records padded to the largest
+        self.served = None if sel is None else served_layers_of(sel)
+        self.layer: ServedLayer | None = None
         if sel is not None:
-            self.layout = RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim, sel.group_size)
-            self.kernel = _has_kernel(sel.scheme)
+            if self.served is None:
+                self._bind(RecordLayout(sel.scheme, self.kv_lora_rank, self.qk_rope_head_dim, sel.group_size))
+                log_once("quantmla plugin: %s decode through %s", sel.scheme,
+                          "quantmla's Triton kernels on the pages in place" if self.kernel
+                          else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
+            else:
+                self._bind(self.served[0].layout, kernel=all(runs_kernels(lay) for lay in self.served))
             self.windows = LayerWindows.for_layer(sel, self.layout)
-            log_once("quantmla plugin: %s decode through %s", sel.scheme,
-                      "quantmla's Triton kernels on the pages in place" if self.kernel
-                      else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
         self._pages: tuple[int, PagedLatentStore] | None = None
         # the decode graph of each captured batch replays the batches above the next captured size down
         sizes = capture_sizes()
         self.min_batches = {b: graph_min_batch(b, sizes) for b in sizes or ()}
-        # the split programs' partial outputs: float16 for a quantised store (half the traffic between the
-        # splits and the combine; docs/notebook.md has the H200 timings), float32 for BF16 records (fp16's range)
-        quantised = self.layout is not None and self.layout.cache_scheme.quantized
-        self.partial_dtype = torch.float16 if quantised else torch.float32
         if sel is not None and self.kernel:
             log_once("quantmla plugin: each decode graph's KV splits sized for the batches vLLM pads to it (%s);"
                      " split partials in %s", "from its capture sizes" if sizes else "capture sizes unknown: half"
                      " its batch up", self.partial_dtype)  # fmt: skip
+
+    def _bind(self, layout: RecordLayout, kernel: bool | None = None) -> None:
+        """This layer's record layout, whether the kernels serve it, and the split partials' dtype: float16 for a
+        quantised store (half the traffic between the splits and the combine; docs/notebook.md has the H200
+        timings), float32 for BF16 records (fp16's range)."""
+        self.layout = layout
+        self.kernel = _has_kernel(layout.scheme) if kernel is None else kernel
+        self.partial_dtype = torch.float16 if layout.cache_scheme.quantized else torch.float32
+        if self.windows is not None:
+            self.windows.layout = layout  # its repairs read this layer's records
+
+    def _served_layer(self, kv_cache: torch.Tensor) -> ServedLayer | None:
+        """This layer's codec, on the cache's device (``None`` for a plain scheme): the engine's layer whose KV cache
+        is ``kv_cache`` names its index (found once, at the first write or read, before any graph capture)."""
+        if self.served is None or kv_cache.numel() == 0:  # an empty cache (vLLM's profile run): nothing to read
+            return None
+        if self.layer is None:
+            self.layer = self.served[cache_index_of(kv_cache)].to(kv_cache.device)
+            self._bind(self.layer.layout, kernel=runs_kernels(self.layer))
+            log_once("quantmla plugin: the per-layer codec's layers decode through %s",
+                     "the Triton kernels (transforms as matmuls around them)" if all_layers_run_kernels(
+                         current_selection()) else "the Triton kernels where a layer's format has one and no learned"
+                     " ranges, else the torch path")  # fmt: skip
+        return self.layer
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, *rest) -> None:
         # rest: vLLM 0.33's skip_scale (for its FP8 cache; records carry their own scales)
@@ -168,28 +223,34 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if kv_cache.numel() == 0:
             return None
         slots = slot_mapping.flatten()[: kv_c_normed.shape[0]].long()
-        r = k_pe.reshape(k_pe.shape[0], -1)
+        c, r = kv_c_normed, k_pe.reshape(k_pe.shape[0], -1)
+        layer = self._served_layer(kv_cache)
+        ranges = None
+        if layer is not None:  # as the layer stores them: through its transforms, the key in its channel order
+            c, r = layer.stored_space(c, r)
+            ranges = layer.ranges
         if self.kernel:  # one fused launch (padding slots, -1, skipped), the shadow rows included
             from quantmla.kernels.write import write_records
 
             step = None if self.windows is None else self.windows.step(kv_cache)
             shadow = {} if step is None else dict(shadow_rows=self.windows.shadow.rows, shadow_map=step.pool.map)
-            write_records(self.layout, kv_cache, slots, kv_c_normed, r, **shadow)
+            write_records(self.layout, kv_cache, slots, c, r, **shadow)
             return None
         safe = torch.where(slots >= 0, slots, 0)  # padding (-1): into the null block, never read (no sync)
-        self.layout.write_pages(kv_cache, safe, kv_c_normed, r)
+        self.layout.write_pages(kv_cache, safe, c, r, ranges=ranges)
         if self.windows is not None:
-            self.windows.write(kv_cache, slots, kv_c_normed, r)
+            self.windows.write(kv_cache, slots, c, r)
         return None
 
     def _compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale):
         gather = None
+        served = self._served_layer(kv_c_and_k_pe_cache)  # bound before its layout is read
         if self.layout is not None:
             step = getattr(attn_metadata, "windows", None)
             ends = None if step is None else step.seq_lens[attn_metadata.num_decodes :]
             gather = ContextGather(self.layout, attn_metadata.plans, self.windows if ends is not None else None,
                                    step, ends, fused=self.kernel and has_fused_gather(self.layout),
-                                   runs=context_runs(attn_metadata.prefill))  # fmt: skip
+                                   runs=context_runs(attn_metadata.prefill), served=served)  # fmt: skip
         token = _GATHER.set(gather)  # None: vLLM's own gather
         try:
             return super()._compute_prefill_context(q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
@@ -200,6 +261,16 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if self.layout is None:
             return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
         q_nope, q_pe = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        layer = self._served_layer(kv_c_and_k_pe_cache)
+        if layer is None:
+            return self._decode(q_nope, q_pe, kv_c_and_k_pe_cache, attn_metadata)
+        # the queries in the layer's stored space (q A^-T, the RoPE query in its key's order), the output back
+        dtype = q_nope.dtype
+        q_nope, q_pe = (x.to(dtype) for x in layer.queries(q_nope, q_pe))
+        out, lse = self._decode(q_nope, q_pe, kv_c_and_k_pe_cache, attn_metadata)
+        return layer.output(out), lse
+
+    def _decode(self, q_nope, q_pe, kv_c_and_k_pe_cache, attn_metadata):
         dec = attn_metadata.decode
         step = getattr(attn_metadata, "windows", None)
         if self.windows is not None and step is None:
@@ -285,6 +356,9 @@ def patch_kv_cache_spec() -> None:
             )
         if spec.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size={spec.block_size}; quantmla's pages support {BLOCK_SIZES}")
+        served = served_layers_of(sel)
+        if served is not None:  # a per-layer codec: every layer's record padded to the largest
+            return replace(spec, head_size=served[0].layout.record_bytes, dtype=torch.uint8)
         d_c, d_r = mla_geometry()
         lay = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
         return replace(spec, head_size=lay.record_bytes, dtype=torch.uint8)
@@ -305,6 +379,7 @@ class ContextGather:
     ends: torch.Tensor | None = None
     fused: bool = False  # through the fused Triton gather (:mod:`quantmla.kernels.gather`)
     runs: dict[int, slice] = field(default_factory=dict)  # vLLM 0.33's chunks' request runs (step_plans.context_runs)
+    served: ServedLayer | None = None  # a per-layer codec's layer: the rows back from its stored space
 
 
 def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
@@ -329,13 +404,17 @@ def gather_records(gather: ContextGather, src_cache, dst, block_table, cu_seq_le
                                                 shadow_map=gather.step.pool.map)  # fmt: skip
         log_once("quantmla plugin: prefill context read by the fused Triton gather")
         gather_rows(layout, src_cache, slots, dst[:n], **shadow)
-        return
-    log_once("quantmla plugin: prefill context read by the torch path (%s, %s)", layout.scheme, dst.dtype)
-    c, r = layout.unpack(layout.read_slots(src_cache, slots), torch.float32)
-    x = torch.cat([c, r], dim=-1)
-    if wanted is not None:
-        x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, x)
-    dst[:n] = x.to(dst.dtype)
+    else:
+        log_once("quantmla plugin: prefill context read by the torch path (%s, %s)", layout.scheme, dst.dtype)
+        c, r = layout.unpack(layout.read_slots(src_cache, slots), torch.float32)
+        x = torch.cat([c, r], dim=-1)
+        if wanted is not None:
+            x = gather.windows.shadow.lookup(gather.step.pool, slots, wanted, x)
+        dst[:n] = x.to(dst.dtype)
+    if gather.served is not None and (gather.served.transformed or gather.served.rope_order is not None):
+        # records and shadows hold the stored space (c A_c, k^R A_R, the key in the calibration's order)
+        c, r = gather.served.from_stored(*dst[:n].split([layout.kv_lora_rank, layout.rope_dim], dim=-1))
+        dst[:n] = torch.cat([c, r], dim=-1).to(dst.dtype)
 
 
 def patch_context_gather() -> None:

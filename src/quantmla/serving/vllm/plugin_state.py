@@ -4,6 +4,9 @@ model's MLA geometry. Imports vLLM lazily."""
 from __future__ import annotations
 
 import logging
+import re
+
+import torch
 
 from quantmla.formats.scheme import parse_scheme
 from quantmla.serving.vllm.selection import ROPE_ORDER_AS_VLLM, Selection, check_engine, select
@@ -63,7 +66,9 @@ def served_layers_of(sel: Selection) -> list | None:
     logged; ``None`` for a plain scheme."""
     if sel.codec_dir is None:
         return None
-    if sel.codec_dir not in _SERVED:
+    d_c, d_r = mla_geometry()
+    key = f"{sel.codec_dir}:{d_c}:{d_r}"
+    if key not in _SERVED:
         from quantmla.formats.export import read_codec, read_meta
         from quantmla.serving.layer_codecs import interleaved_to_rotate_half, served_layers
 
@@ -74,19 +79,18 @@ def served_layers_of(sel: Selection) -> list | None:
         if n_layers is not None and len(codec.layers) != n_layers:
             raise ValueError(f"quantmla: the codec of {sel.codec_dir} has {len(codec.layers)} layers; the model has"
                              f" {n_layers}")  # fmt: skip
-        d_c, d_r = mla_geometry()
         # vLLM holds the RoPE key in interleaved pairs; where quantmla's cache (the calibration) holds it
         # rotate-half, the key and its query are put in that order first
         same = getattr(hf, "model_type", None) in ROPE_ORDER_AS_VLLM
         order = None if same else interleaved_to_rotate_half(d_r)
-        layers = _SERVED[sel.codec_dir] = served_layers(codec, d_c, d_r, sel.group_size, order)
+        layers = _SERVED[key] = served_layers(codec, d_c, d_r, sel.group_size, order)
         fitted = [i for i, lay in enumerate(layers) if lay.transformed]
         ranged = [i for i, lay in enumerate(layers) if lay.ranges is not None]
         formats = sorted({lay.layout.scheme for lay in layers})
         logger.info("quantmla plugin: serving the per-layer codec of %s (%s): write-side transforms in layers %s,"
                     " learned ranges in %s, formats %s; records of %d bytes", sel.codec_dir, codec.name, fitted,
                     ranged, formats, layers[0].layout.record_bytes)  # fmt: skip
-    return _SERVED[sel.codec_dir]
+    return _SERVED[key]
 
 
 def mla_geometry() -> tuple[int, int]:
@@ -113,3 +117,19 @@ def graph_min_batch(batch: int, sizes: list[int] | None) -> int | None:
     if sizes is None:
         return None
     return max((s for s in sizes if s < batch), default=0) + 1
+
+
+def cache_index_of(kv_cache: torch.Tensor) -> int:
+    """The cache index (decoder layer) of the engine's MLA layer whose KV cache tensor is ``kv_cache``, from vLLM's
+    forward context (its layers by name, ``...layers.<i>...``)."""
+    from vllm.forward_context import get_forward_context
+
+    for name, module in get_forward_context().no_compile_layers.items():
+        kv = getattr(module, "kv_cache", None)
+        kv = kv[0] if isinstance(kv, list | tuple) and kv else kv
+        if isinstance(kv, torch.Tensor) and kv.numel() and kv.data_ptr() == kv_cache.data_ptr():
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if m is None:
+                raise RuntimeError(f"quantmla: the MLA layer {name!r} names no decoder layer index")
+            return int(m.group(1))
+    raise RuntimeError("quantmla: no MLA layer of this engine holds this KV cache (a per-layer codec needs its index)")

