@@ -75,6 +75,9 @@ kernels)
 test)
   shift
   [ $# -gt 0 ] || set -- tests/serving/test_vllm_gpu.py tests/serving/test_vllm_gpu_fp8_export.py
+  # the tests sample greedily: no FlashInfer top-p/top-k sampler, which a fresh machine JIT-builds at the first
+  # engine's warm-up (the likely cause of the 146 s one spent after its first graph capture; not yet confirmed)
+  export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
   python -m pytest -q -s -p no:cacheprovider "$@";;
 decode)
   python benchmarks/serving_pressure.py --out "$out" --append --decode-only --repeats 20 \
