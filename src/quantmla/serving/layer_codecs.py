@@ -20,7 +20,6 @@ A format that is not per token (``p<P>``: per channel within pages) has no recor
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +66,6 @@ class ServedLayer:
             order = torch.tensor(self.rope_order, device=device)
             self._indices[key] = torch.argsort(order) if inverse else order
         return self._indices[key]
-
-    @functools.cached_property
-    def _inverses(self):
-        c, r = (None, None) if self.codec is None else (self.codec.content, self.codec.rope)
-        return (None if c is None else c.inverse), (None if r is None else r.inverse)
 
     @property
     def ranges(self):

@@ -180,7 +180,11 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
                           "quantmla's Triton kernels on the pages in place" if self.kernel
                           else "the torch path (no kernel for this scheme; no CUDA graphs)")  # fmt: skip
             else:
-                self._bind(self.served[0].layout, kernel=all(runs_kernels(lay) for lay in self.served))
+                self._bind(self.served[0].layout, kernel=all_layers_run_kernels(sel))
+                log_once("quantmla plugin: the per-layer codec's layers decode through %s",
+                         "the Triton kernels (transforms as matmuls around them)" if self.kernel
+                         else "the Triton kernels where a layer's format has one and no learned ranges, else the"
+                         " torch path")  # fmt: skip
             self.windows = LayerWindows.for_layer(sel, self.layout)
         self._pages: tuple[int, PagedLatentStore] | None = None
         # the decode graph of each captured batch replays the batches above the next captured size down
@@ -209,10 +213,6 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         if self.layer is None:
             self.layer = self.served[cache_index_of(kv_cache)].to(kv_cache.device)
             self._bind(self.layer.layout, kernel=runs_kernels(self.layer))
-            log_once("quantmla plugin: the per-layer codec's layers decode through %s",
-                     "the Triton kernels (transforms as matmuls around them)" if all_layers_run_kernels(
-                         current_selection()) else "the Triton kernels where a layer's format has one and no learned"
-                     " ranges, else the torch path")  # fmt: skip
         return self.layer
 
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, *rest) -> None:
