@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM 0.26 serving runs on the H200 (device tool), from the tree: PYTHONPATH=src, vLLM's wheels in /tmp/site.
+# The vLLM serving runs on an H100 or H200, from the tree: PYTHONPATH=src, vLLM's wheels in /tmp/site
+# (.wheels: vLLM 0.26, scripts/vllm_gpu_wheels.sh; WHEELS=.wheels033: vLLM 0.33, scripts/vllm033_gpu_wheels.sh).
 #
 #   bash scripts/serving_gpu.sh setup          once per machine: install .wheels (scripts/vllm_gpu_wheels.sh; its parts
 #                                              copied to /tmp/wheel-parts first; WHEELS=DIR: another bundle, e.g.
@@ -11,10 +12,11 @@
 #                                              it can share the first wheel-part call
 #   bash scripts/serving_gpu.sh test [ARGS]    tests/serving/test_vllm_gpu.py (a random DeepSeek-V2, BF16, CUDA graphs)
 #                                              and test_vllm_gpu_fp8_export.py (FP8 V3-config exports in vLLM); about
-#                                              12 engines, over 10 minutes on a fresh machine: ARGS (pytest's) split
-#                                              them over calls, e.g. `tests/serving/test_vllm_gpu.py -k "not prefix and
-#                                              not mtp"`, then `tests/serving/test_vllm_gpu.py -k "prefix or mtp"
-#                                              tests/serving/test_vllm_gpu_fp8_export.py`
+#                                              17 engines (60-100 s each), over 10 minutes: ARGS (pytest's) split
+#                                              them over calls (each test starts only the engines it reads), e.g.
+#                                              `tests/serving/test_vllm_gpu.py -k "not prefix and not mtp and not
+#                                              codec"`, then `-k "prefix or mtp or codec"` (TRIAL_CODECS=1 for the
+#                                              codecs, TRIAL_SPEC=1 for MTP on 0.33), then the FP8 export file
 #   bash scripts/serving_gpu.sh decode         decode attention alone: vLLM's FA3 MLA vs quantmla's kernels
 #                                              (DECODE_CASES: requests x context, comma list)
 #   bash scripts/serving_gpu.sh pressure S B   benchmarks/serving_pressure.py on DeepSeek-V2-Lite (dummy weights;
@@ -37,14 +39,21 @@
 #                                              requests, the server's quantmla log lines, then the server stops
 # Results go to ${OUT:-out}/serving-gpu/serving.json (appended); --report prints the table.
 set -euo pipefail
-# TRIAL_VLLM=0.33: the first GPU runs of a vLLM the plugin's CUDA path is written for but not yet listed as supported
+# TRIAL_VLLM=X.Y: the first GPU runs of a vLLM the plugin's CUDA path is written for but not yet listed as supported
 # (compat.SUPPORTED): this machine's copy of the tree lists it for the run
 if [ -n "${TRIAL_VLLM:-}" ]; then
-  sed -i "s/^SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"))/SUPPORTED = ((\"0.32\", \"cpu\"), (\"0.26\", \"cuda\"), (\"$TRIAL_VLLM\", \"cuda\"))/" src/quantmla/serving/vllm/compat.py
+  sed -i "s/^SUPPORTED = (\(.*\))$/SUPPORTED = (\1, (\"$TRIAL_VLLM\", \"cuda\"))/" src/quantmla/serving/vllm/compat.py
   grep -q "\"$TRIAL_VLLM\", \"cuda\"" src/quantmla/serving/vllm/compat.py || { echo "TRIAL_VLLM: compat.SUPPORTED not as expected" >&2; exit 2; }
-  # vLLM 0.33's torch 2.14 is built with cuDNN 9.24; the image has 9.19 (scripts/vllm033_gpu_wheels.sh)
-  export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 fi
+# TRIAL_SPEC=1: the first GPU runs of speculative decoding on a vLLM where it is refused until then
+# (compat.SPECULATIVE_UNTESTED), allowed in this copy
+if [ -n "${TRIAL_SPEC:-}" ]; then
+  sed -i "s/^SPECULATIVE_UNTESTED = .*$/SPECULATIVE_UNTESTED = ()/" src/quantmla/serving/vllm/compat.py
+  grep -q "^SPECULATIVE_UNTESTED = ()$" src/quantmla/serving/vllm/compat.py || { echo "TRIAL_SPEC: compat.SPECULATIVE_UNTESTED not as expected" >&2; exit 2; }
+fi
+# what `setup` found the installed torch needs from this image (/tmp/site-env.sh): vLLM 0.33's torch 2.14 is built
+# with cuDNN 9.24 and NCCL 2.30 where the image has 9.19 and 2.28 (scripts/vllm033_gpu_wheels.sh)
+[ -f /tmp/site-env.sh ] && . /tmp/site-env.sh
 # TRIAL_CODECS=1: the first GPU runs of per-layer codecs on CUDA (selection.CUDA_CODECS), turned on in this copy
 if [ -n "${TRIAL_CODECS:-}" ]; then
   sed -i "s/^CUDA_CODECS = False$/CUDA_CODECS = True/" src/quantmla/serving/vllm/selection.py
@@ -56,6 +65,25 @@ export VLLM_WORKER_MULTIPROC_METHOD=${VLLM_WORKER_MULTIPROC_METHOD:-spawn}
 out=${OUT:-out}/serving-gpu
 mkdir -p "$out"
 [ -f /tmp/serving.json ] && [ ! -f "$out/serving.json" ] && cp /tmp/serving.json "$out/serving.json"
+# NCCL entry points the installed torch imports and the image's NCCL lacks (2.30's, for a 2.28 image): stubs that
+# return ncclInvalidUsage, preloaded so torch imports; a one-GPU engine calls none of them (tensor parallel would:
+# it needs the matching NCCL). Written to /tmp/site-env.sh with cuDNN's version check off (no MLA path calls cuDNN).
+image_stubs() {
+  local nccl
+  PYTHONPATH=/tmp/site python -c "import torch" 2> /tmp/torch-import.err && return 0
+  grep -q "undefined symbol: nccl" /tmp/torch-import.err || { cat /tmp/torch-import.err >&2; return 1; }
+  nccl=$(ldconfig -p | awk '/libnccl.so.2 /{print $NF; exit}')
+  nm -D --defined-only "$nccl" | awk '{print $3}' | sed 's/@.*//' | sort -u > /tmp/nccl-have
+  nm -D --undefined-only /tmp/site/torch/lib/libtorch_cuda.so | awk '{print $2}' | sed 's/@.*//' \
+    | grep '^nccl' | sort -u > /tmp/nccl-want
+  mkdir -p /tmp/ncclshim
+  comm -23 /tmp/nccl-want /tmp/nccl-have | awk '{print "int " $1 "(void) { return 5; }"}' > /tmp/ncclshim/stubs.c
+  gcc -shared -fPIC -o /tmp/ncclshim/libncclstubs.so /tmp/ncclshim/stubs.c
+  printf 'export LD_PRELOAD=/tmp/ncclshim/libncclstubs.so PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1\n' > /tmp/site-env.sh
+  echo "setup: torch needs NCCL entry points $nccl lacks: stubbed ($(grep -c . /tmp/ncclshim/stubs.c)):" \
+    "$(comm -23 /tmp/nccl-want /tmp/nccl-have | tr '\n' ' ')"
+  . /tmp/site-env.sh
+}
 case "${1:-}" in
 setup)
   bash "${WHEELS:-.wheels}/install.sh"
@@ -63,6 +91,7 @@ setup)
   mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: quantmla-tree\nVersion: 0\n' > "$d/METADATA"
   printf '[vllm.general_plugins]\nquantmla = quantmla.serving.vllm:register\n' > "$d/entry_points.txt"
+  image_stubs
   python -c "import vllm; print('vllm', vllm.__version__)";;
 sweep)
   python benchmarks/experiments/engine_splits.py --splits "${SPLITS:-4,6,8,11,16,22,64,128}" --fp16-partials \

@@ -16,8 +16,9 @@
 # The image's CUDA stack against torch 2.14's pins (read there, 2026-12-07): CUDA 13.0 runtime, cuBLAS, cuFFT, cuRAND,
 # cuSOLVER, cuSPARSE, nvJitLink, NVTX and nvshmem match or are newer within 13.x; cuDNN is 9.19 (torch wants 9.24:
 # serving_gpu.sh sets PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 for a TRIAL_VLLM run; vLLM's MLA path calls no cuDNN);
-# NCCL is 2.28.9 (2.30.7 wanted), lacking 11 symbols libtorch_cuda.so imports (ncclCommGrow, ncclCommSuspend,
-# ncclPutSignal, ...), which torch binds lazily and a one-GPU engine never calls.
+# NCCL is 2.28.9 (2.30.7 wanted), lacking 12 entry points libtorch_cuda.so imports (ncclCommResume, ncclCommGrow,
+# ncclPutSignal, ...): torch does not import without them, so `serving_gpu.sh setup` preloads stubs of exactly those
+# (a one-GPU engine calls none; tensor parallelism needs NCCL 2.30).
 # Then, over one warm machine: one GPU run per part (scripts/pack_wheels.sh prints the plan), the last one running
 # `TRIAL_VLLM=0.33 WHEELS=.wheels033 bash scripts/serving_gpu.sh setup`.
 set -euo pipefail

@@ -47,11 +47,11 @@ def max_abs_diff(a, b) -> float:
 
 
 def codec_export(model_dir, out, layers: list[tuple[str, str]], dims: tuple[int, int] = (512, 64), seed: int = 0,
-                 strength: float = 0.2) -> str:  # fmt: skip
+                 strength: float = 0.2, scheme: str = "c4r4") -> str:  # fmt: skip
     """An export of ``model_dir`` (weights unchanged, copied into ``out``) with a per-layer codec: ``layers`` gives
     each layer's scheme and what is fitted on it: ``"transforms"`` (RAQ-MLA-like invertible write-side transforms
     of both paths, ``I + strength N / sqrt(d)``), ``"ranges"`` (RoLaQ-like learned ranges on the content) or
-    ``""``. ``dims``: the model's latent and RoPE widths."""
+    ``""``. ``dims``: the model's latent and RoPE widths; ``scheme``: the export's nominal scheme (its windows)."""
     import shutil
     from pathlib import Path
 
@@ -84,7 +84,7 @@ def codec_export(model_dir, out, layers: list[tuple[str, str]], dims: tuple[int,
         elif fit:
             raise ValueError(f"fit {fit!r}: give 'transforms', 'ranges' or ''")
         codecs.append(LayerCodec(content, rope))
-    _, names = write_codec(out, ModelCodec("raq c4r4", tuple(codecs)))
-    write_meta(out, {"format": 1, "scheme": "c4r4", "method": "raq", "group_size": 64, "sink": 4, "recent": 128,
+    _, names = write_codec(out, ModelCodec(f"raq {scheme}", tuple(codecs)))
+    write_meta(out, {"format": 1, "scheme": scheme, "method": "raq", "group_size": 64, "sink": 4, "recent": 128,
                      "layer_schemes": names})  # fmt: skip
     return str(out)

