@@ -47,11 +47,12 @@ def max_abs_diff(a, b) -> float:
 
 
 def codec_export(model_dir, out, layers: list[tuple[str, str]], dims: tuple[int, int] = (512, 64), seed: int = 0,
-                 strength: float = 0.2, scheme: str = "c4r4") -> str:  # fmt: skip
+                 strength: float = 0.2, scheme: str = "c4r4", orthogonal: bool = False) -> str:  # fmt: skip
     """An export of ``model_dir`` (weights unchanged, copied into ``out``) with a per-layer codec: ``layers`` gives
     each layer's scheme and what is fitted on it: ``"transforms"`` (RAQ-MLA-like invertible write-side transforms
     of both paths, ``I + strength N / sqrt(d)``), ``"ranges"`` (RoLaQ-like learned ranges on the content) or
-    ``""``. ``dims``: the model's latent and RoPE widths; ``scheme``: the export's nominal scheme (its windows)."""
+    ``""``. ``dims``: the model's latent and RoPE widths; ``scheme``: the export's nominal scheme (its windows);
+    ``orthogonal``: random rotations instead (condition number 1: no rounding amplified through the inverse)."""
     import shutil
     from pathlib import Path
 
@@ -67,6 +68,9 @@ def codec_export(model_dir, out, layers: list[tuple[str, str]], dims: tuple[int,
 
     def transform(d):
         noise = torch.randn(d, d, generator=g, dtype=torch.float64)
+        if orthogonal:
+            q, r = torch.linalg.qr(noise)
+            return q * torch.sign(torch.diagonal(r))
         return torch.eye(d, dtype=torch.float64) + strength * noise / d**0.5
 
     codecs = []

@@ -50,3 +50,13 @@ def test_fused_cpu_decode_equals_the_torch_path(scheme, heads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         got = paged_decode(q[..., :512], q[..., 512:], strided, lay, table, seq, 0.1, backend="cpp", **win)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_extensions_leave_the_language_standard_to_torch():
+    """torch's extension builder compiles against torch's headers with the standard they need (C++20 from torch 2.14,
+    whose headers stop at ``#error C++20 or later``); a ``-std`` of ours comes after torch's and wins, so the CPU and
+    sm_90a builds carry none."""
+    from quantmla.kernels.cpu.build import CFLAGS
+    from quantmla.kernels.hopper.build import CUDA_FLAGS
+
+    assert not [f for f in (*CFLAGS, *CUDA_FLAGS) if f.startswith("-std")], (CFLAGS, CUDA_FLAGS)

@@ -261,7 +261,7 @@ def test_an_unsupported_vllm_is_one_clear_error_when_asked_for(monkeypatch):
 
     assert check_supported(asked=True) == "cpu"
     monkeypatch.setattr(vllm, "__version__", "0.30.1")
-    want = r"supports vLLM 0\.32 on cpu, vLLM 0\.26 on cuda; this is vLLM 0\.30\.1 on cpu"
+    want = r"supports vLLM 0\.32 on cpu, vLLM 0\.26 on cuda, vLLM 0\.33 on cuda; this is vLLM 0\.30\.1 on cpu"
     with pytest.raises(RuntimeError, match=want):
         check_supported(asked=True)
     assert check_supported(asked=False) is None  # not asked for: vLLM runs as without the plugin

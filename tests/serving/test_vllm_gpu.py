@@ -237,9 +237,9 @@ def test_prefix_cache_hits_read_their_windows_as_stored(prefix_run, model_dir):
 #: per-layer codecs (exports of `--method raq`, `raq-alloc`, `rolaq`, `blockgtq`): the kernels' formats with write-side
 #: transforms of both paths (full CUDA graphs), and learned ranges beside a format without a kernel (the torch path)
 CODECS = {"transforms": [("c4r4", "transforms"), ("c2r4", "transforms")], "ranges": [("c2r4", "ranges"), ("c3r4", "")]}
-#: the transforms' plumbing alone: BF16 records stored through the same transforms, exact at full precision, so the
-#: engine matches the plain BF16 engine on the same chunks to BF16 rounding (a wrong inverse, compensation or order
-#: would not)
+#: the transforms' plumbing alone: BF16 records stored through random rotations (exact at full precision, and with
+#: condition number 1 no rounding is amplified through the inverse), so the engine matches the plain BF16 engine on
+#: the same chunks to BF16 rounding (a wrong inverse, compensation or channel order would not)
 EXACT = [("bf16", "transforms"), ("bf16", "transforms")]
 
 
@@ -256,20 +256,21 @@ def codec_runs(model_dir, tmp_path_factory):
                     " scripts/serving_gpu.sh test turns them on in the GPU machine's copy")  # fmt: skip
     out = {}
     for name, layers in [*CODECS.items(), ("exact", EXACT)]:
+        exact = name == "exact"
         d = codec_export(model_dir, tmp_path_factory.mktemp(f"codec-{name}"), layers, strength=0.5,
-                         scheme="bf16" if name == "exact" else "c4r4")  # fmt: skip
+                         scheme="bf16" if exact else "c4r4", orthogonal=exact)  # fmt: skip
         out[name] = (run_engine(d, batched_tokens=CHUNK, prompts=PROMPTS[1:2]), read_codec(d, read_meta(d)), d)
     return out
 
 
 def test_codec_transforms_are_exact_through_bf16_records(codec_runs, runs):
-    """BF16 records through strong transforms against the plain BF16 engine (same prompt, same chunks): two BF16
+    """BF16 records through random rotations against the plain BF16 engine (same prompt, same chunks): two BF16
     paths, mean |logprob difference| bound 0.05 over the tokens both decoded from the same context (as graphs vs
     eager)."""
     got, plain = codec_runs["exact"][0], runs["bf16-chunked"]
     assert "FULL" in got["cudagraph_mode"], got["cudagraph_mode"]
     lens, diff = _common_prefix(got, plain)
-    print(f"codec exact (bf16 records through transforms) vs plain bf16, chunks of {CHUNK}: tokens equal for {lens}"
+    print(f"codec exact (bf16 records through rotations) vs plain bf16, chunks of {CHUNK}: tokens equal for {lens}"
           f" of {GEN}; mean |logprob diff| {diff:.4g}")  # fmt: skip
     assert diff < 0.05, (lens, diff)
 
@@ -288,8 +289,11 @@ def test_per_layer_codecs_are_served_as_calibrated(codec_runs, model_dir, name):
     sim = _teacher_forced_logprobs(export, codec, got["tokens"], one, CHUNK)
     clean = _teacher_forced_logprobs(model_dir, None, got["tokens"], one)
     engines, damage = mean_abs_diff(got["logprobs"], sim), mean_abs_diff(got["logprobs"], clean)
+    conds = [float(torch.linalg.cond(p.transform)) for lay in codec.layers for p in (lay.content, lay.rope)
+             if p.transform is not None]  # fmt: skip
     print(f"codec {name} ({got['cudagraph_mode']}): per token |logprob vLLM - quantmla BF16| mean {mean:.3g}, max"
-          f" {top:.3g}; vLLM - quantmla float32 sim {engines:.4g}; vLLM - unquantised {damage:.4g}")  # fmt: skip
+          f" {top:.3g}; vLLM - quantmla float32 sim {engines:.4g}; vLLM - unquantised {damage:.4g}; the transforms'"
+          f" condition numbers {[round(c, 2) for c in conds]}")  # fmt: skip
     assert mean <= 0.1 and top <= 1.0, (mean, top)
     assert engines < damage, (engines, damage)
 

@@ -19,7 +19,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "paged_decode.cpp"
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17")
+#: the language standard is left to torch's extension builder: it builds against its own headers, which need C++20
+#: from torch 2.14 (a C++17 flag of ours, given after torch's, breaks that build)
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 
 
 class CPUExtensionUnavailable(RuntimeError):

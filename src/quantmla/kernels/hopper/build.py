@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("binding.cpp", "decode_sm90.cu")
 HEADERS = ("decode_sm90.h", "sm90_ops.cuh", "wgmma_ops.cuh")
-CUDA_FLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a")
+#: no language standard: torch's extension builder sets the one its headers need (C++20 from torch 2.14)
+CUDA_FLAGS = ("-O3", "-gencode=arch=compute_90a,code=sm_90a")
 
 
 class HopperUnavailable(RuntimeError):
