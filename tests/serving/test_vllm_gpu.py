@@ -47,10 +47,6 @@ def model_dir(tmp_path_factory) -> str:
     return str(d)
 
 
-def _cudagraph_mode(worker) -> str:
-    return str(worker.vllm_config.compilation_config.cudagraph_mode)
-
-
 def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False, speculative=None, then=(), **kw):
     """Greedy outputs of one engine; ``speculative``: vLLM's ``speculative_config``; ``then``: prompts generated
     after ``prompts`` finish (their outputs appended); ``kw``: more engine arguments."""
@@ -73,7 +69,8 @@ def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=F
             [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)] for o in outs
         ],  # fmt: skip
         "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-        "cudagraph_mode": llm.collective_rpc(_cudagraph_mode)[0],
+        # pickled by value (a lambda): the engine core need not import this module
+        "cudagraph_mode": llm.collective_rpc(lambda w: str(w.vllm_config.compilation_config.cudagraph_mode))[0],
         "spec": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name},
         "prefix": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "prefix_cache" in m.name},
     }
