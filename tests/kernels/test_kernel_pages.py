@@ -58,6 +58,23 @@ def test_schemes_without_a_kernel_say_why():
         PagedLatentStore.from_pages(pages.float(), RecordLayout("c8r8"))
 
 
+def test_has_kernel_is_what_the_pages_store_accepts():
+    """``has_kernel`` answers for the record's scheme, widths and group together: exactly where ``from_pages``
+    builds a store (C4R4 in groups of 32 has content planes of 64 channels, wider than its groups)."""
+    from quantmla.kernels.layout import has_kernel
+
+    for scheme, group in [("c4r4", 64), ("c2r4", 64), ("bf16", 64), ("c4r4", 32), ("c8r8", 64), ("fp8", 64)]:
+        lay = RecordLayout(scheme, 512, 64, group)
+        pages = torch.zeros(2, 64, lay.record_bytes, dtype=torch.uint8)
+        try:
+            PagedLatentStore.from_pages(pages, lay)
+            accepted = True
+        except NoKernelLayout:
+            accepted = False
+        assert has_kernel(lay) == accepted, (scheme, group)
+    assert not has_kernel(RecordLayout("c4r4", 512, 64, 32))
+
+
 @pytest.mark.parametrize("pad", [0, 144])
 @pytest.mark.parametrize("scheme", ["c4r4", "c2r4", "bf16"])
 def test_decode_over_pages_in_place_equals_the_kernel_store(scheme, pad):

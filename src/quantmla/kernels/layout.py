@@ -113,6 +113,16 @@ class PagedLayout:
         return self.records.record_bytes
 
 
+def has_kernel(records: RecordLayout) -> bool:
+    """Whether the Triton kernels read records of this layout (its scheme at its widths and group size)."""
+    try:
+        PagedLayout.for_scheme(records.scheme, kv_lora_rank=records.kv_lora_rank, rope_dim=records.rope_dim,
+                               group_size=records.group_size)  # fmt: skip
+    except NoKernelLayout:
+        return False
+    return True
+
+
 class PagedLatentStore:
     """A pool of ``num_pages`` pages of ``layout`` (``pages [num_pages, page_size, record_bytes]``, uint8,
     field-major), and the typed views of each field the kernels read (:meth:`kernel_views`, or

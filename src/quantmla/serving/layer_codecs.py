@@ -26,7 +26,7 @@ import torch
 
 from quantmla.formats.codec import LayerCodec, ModelCodec, PathCodec
 from quantmla.formats.records import RecordLayout
-from quantmla.kernels.layout import NoKernelLayout, PagedLayout
+from quantmla.kernels.layout import has_kernel
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,13 +125,7 @@ def runs_kernels(layer: ServedLayer) -> bool:
     format (``bf16``, ``c4r4``, ``c2r4`` in plain per-token groups) without learned ranges (those are written by the
     torch quantiser, which checks them on the host). Its transforms and RoPE order are device matmuls and gathers
     around the kernels."""
-    lay = layer.layout
-    try:
-        PagedLayout.for_scheme(lay.scheme, kv_lora_rank=lay.kv_lora_rank, rope_dim=lay.rope_dim,
-                               group_size=lay.group_size)  # fmt: skip
-    except NoKernelLayout:
-        return False
-    return layer.ranges is None
+    return has_kernel(layer.layout) and layer.ranges is None
 
 
 def interleaved_to_rotate_half(dim: int) -> tuple[int, ...]:

@@ -57,7 +57,7 @@ from vllm.v1.attention.backends.mla.flashattn_mla import (
 
 from quantmla.formats.records import RecordLayout
 from quantmla.kernels.gather import has_fused_gather
-from quantmla.kernels.layout import NoKernelLayout, PagedLatentStore, PagedLayout
+from quantmla.kernels.layout import PagedLatentStore, has_kernel
 from quantmla.serving.layer_codecs import ServedLayer, runs_kernels
 from quantmla.serving.paged_decode import paged_decode
 from quantmla.serving.vllm.plugin_state import (
@@ -76,14 +76,6 @@ from quantmla.serving.vllm.windowing import LayerWindows, WindowPlanning, window
 #: block sizes the kernels page by (vLLM's block = one kernel page)
 BLOCK_SIZES = (16, 32, 64, 128)
 _GATHER: contextvars.ContextVar[ContextGather | None] = contextvars.ContextVar("quantmla_gather", default=None)
-
-
-def _has_kernel(scheme: str) -> bool:
-    try:
-        PagedLayout.for_scheme(scheme)
-    except NoKernelLayout:
-        return False
-    return True
 
 
 class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommonMetadata]):
@@ -118,23 +110,27 @@ class QuantMLAMetadataBuilder(WindowPlanning, MLACommonMetadataBuilder[MLACommon
         return cls._cudagraph_support
 
 
+def plain_layout(sel) -> RecordLayout:
+    """The record of a plain scheme (no per-layer codec) at the model's MLA widths."""
+    d_c, d_r = mla_geometry()
+    return RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
+
+
 def kernel_layouts(sel) -> list[RecordLayout]:
     """The distinct record layouts of the engine's layers that the Triton kernels read (none without a selection)."""
     if sel is None:
         return []
     served = served_layers_of(sel)
     if served is None:
-        if not _has_kernel(sel.scheme):
-            return []
-        d_c, d_r = mla_geometry()
-        return [RecordLayout(sel.scheme, d_c, d_r, sel.group_size)]
+        lay = plain_layout(sel)
+        return [lay] if has_kernel(lay) else []
     return list(dict.fromkeys(lay.layout for lay in served if runs_kernels(lay)))
 
 
 def all_layers_run_kernels(sel) -> bool:
     """Whether every layer writes and decodes through the kernels (the condition for full CUDA graphs)."""
     served = served_layers_of(sel)
-    return _has_kernel(sel.scheme) if served is None else all(runs_kernels(lay) for lay in served)
+    return has_kernel(plain_layout(sel)) if served is None else all(runs_kernels(lay) for lay in served)
 
 
 class QuantMLACUDABackend(FlashAttnMLABackend):
@@ -200,7 +196,7 @@ class QuantMLACUDAImpl(FlashAttnMLAImpl):
         quantised store (half the traffic between the splits and the combine; docs/notebook.md has the H200
         timings), float32 for BF16 records (fp16's range)."""
         self.layout = layout
-        self.kernel = _has_kernel(layout.scheme) if kernel is None else kernel
+        self.kernel = has_kernel(layout) if kernel is None else kernel
         self.partial_dtype = torch.float16 if layout.cache_scheme.quantized else torch.float32
         if self.windows is not None:
             self.windows.layout = layout  # its repairs read this layer's records
@@ -359,9 +355,7 @@ def patch_kv_cache_spec() -> None:
         served = served_layers_of(sel)
         if served is not None:  # a per-layer codec: every layer's record padded to the largest
             return replace(spec, head_size=served[0].layout.record_bytes, dtype=torch.uint8)
-        d_c, d_r = mla_geometry()
-        lay = RecordLayout(sel.scheme, d_c, d_r, sel.group_size)
-        return replace(spec, head_size=lay.record_bytes, dtype=torch.uint8)
+        return replace(spec, head_size=plain_layout(sel).record_bytes, dtype=torch.uint8)
 
     get_kv_cache_spec._quantmla = True
     MLAAttention.get_kv_cache_spec = get_kv_cache_spec
