@@ -234,64 +234,89 @@ def test_prefix_cache_hits_read_their_windows_as_stored(prefix_run, model_dir):
 #: per-layer codecs (exports of `--method raq`, `raq-alloc`, `rolaq`, `blockgtq`): the kernels' formats with write-side
 #: transforms of both paths (full CUDA graphs), and learned ranges beside a format without a kernel (the torch path)
 CODECS = {"transforms": [("c4r4", "transforms"), ("c2r4", "transforms")], "ranges": [("c2r4", "ranges"), ("c3r4", "")]}
-#: the transforms' plumbing alone: BF16 records stored through random rotations (exact at full precision, and with
-#: condition number 1 no rounding is amplified through the inverse), so the engine matches the plain BF16 engine on
-#: the same chunks to BF16 rounding (a wrong inverse, compensation or channel order would not)
-EXACT = [("bf16", "transforms"), ("bf16", "transforms")]
+#: the transforms' plumbing alone: BF16 records stored through invertible transforms, so that the engine matches the
+#: plain BF16 engine on the same chunks to BF16 rounding: random rotations (condition number 1, no rounding amplified)
+#: and ``I + 0.5 N / sqrt(d)`` (not orthogonal: a transpose taken for the inverse, a missing inverse, compensation or
+#: channel order would not match)
+EXACT = {"exact": True, "exact-skew": False}
+
+
+class CodecRuns(dict):
+    """Each export served from its directory (its quantmla.json switches quantmla on, with the codec), and its codec:
+    the 400-token prompt in chunks of 128, so that chunks 2-4 read their context back from the stored space. The
+    transforms are strong (``I + 0.5 N / sqrt(d)``) so that a missing inverse could not hide in the bounds. Each
+    started the first time a test reads it."""
+
+    def __init__(self, model_dir: str, tmp) -> None:
+        super().__init__()
+        self.model_dir, self.tmp = model_dir, tmp
+
+    def __missing__(self, name: str):
+        from quantmla.formats.export import read_codec, read_meta
+
+        exact = name in EXACT
+        layers = [("bf16", "transforms")] * LAYERS if exact else CODECS[name]
+        d = codec_export(self.model_dir, self.tmp.mktemp(f"codec-{name}"), layers, strength=0.5,
+                         scheme="bf16" if exact else "c4r4", orthogonal=EXACT.get(name, False))  # fmt: skip
+        self[name] = (run_engine(d, batched_tokens=CHUNK, prompts=PROMPTS[1:2]), read_codec(d, read_meta(d)), d)
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def codec_runs(model_dir, tmp_path_factory):
-    """Each export served from its directory (its quantmla.json switches quantmla on, with the codec), and its codec:
-    the 400-token prompt in chunks of 128, so that chunks 2-4 read their context back from the stored space. The
-    transforms are strong (``I + 0.5 N / sqrt(d)``) so that a missing inverse could not hide in the bounds."""
-    from quantmla.formats.export import read_codec, read_meta
     from quantmla.serving.vllm import selection
 
     if not selection.CUDA_CODECS:
         pytest.skip("per-layer codecs are refused on CUDA until this test passes: TRIAL_CODECS=1 bash"
                     " scripts/serving_gpu.sh test turns them on in the GPU machine's copy")  # fmt: skip
-    out = {}
-    for name, layers in [*CODECS.items(), ("exact", EXACT)]:
-        exact = name == "exact"
-        d = codec_export(model_dir, tmp_path_factory.mktemp(f"codec-{name}"), layers, strength=0.5,
-                         scheme="bf16" if exact else "c4r4", orthogonal=exact)  # fmt: skip
-        out[name] = (run_engine(d, batched_tokens=CHUNK, prompts=PROMPTS[1:2]), read_codec(d, read_meta(d)), d)
-    return out
+    return CodecRuns(model_dir, tmp_path_factory)
 
 
-def test_codec_transforms_are_exact_through_bf16_records(codec_runs, runs):
-    """BF16 records through random rotations against the plain BF16 engine (same prompt, same chunks): two BF16
-    paths, mean |logprob difference| bound 0.05 over the tokens both decoded from the same context (as graphs vs
-    eager)."""
-    got, plain = codec_runs["exact"][0], runs["bf16-chunked"]
+@pytest.mark.parametrize("name", list(EXACT))
+def test_codec_transforms_are_exact_through_bf16_records(codec_runs, runs, model_dir, name):
+    """BF16 records through invertible transforms against the plain BF16 engine (same prompt, same chunks): two BF16
+    paths, which differ by where they round. Bound, over the tokens both decoded from the same context: mean |logprob
+    difference| at most twice the plain engine's own difference to quantmla's float32 unquantised path on this prompt
+    (the scale of BF16 rounding here: 0.08 between quantmla's own BF16 and float32 paths on the CPU), and under 0.1;
+    a wrong inverse is off by whole nats."""
+    got, plain = codec_runs[name][0], runs["bf16-chunked"]
     assert "FULL" in got["cudagraph_mode"], got["cudagraph_mode"]
     lens, diff = _common_prefix(got, plain)
-    print(f"codec exact (bf16 records through rotations) vs plain bf16, chunks of {CHUNK}: tokens equal for {lens}"
-          f" of {GEN}; mean |logprob diff| {diff:.4g}")  # fmt: skip
-    assert diff < 0.05, (lens, diff)
+    clean = _teacher_forced_logprobs(model_dir, None, plain["tokens"], PROMPTS[1:2])
+    scale = mean_abs_diff(plain["logprobs"], clean)
+    conds = [round(float(torch.linalg.cond(p.transform)), 2) for lay in codec_runs[name][1].layers
+             for p in (lay.content, lay.rope) if p.transform is not None]  # fmt: skip
+    print(f"codec {name} (bf16 records through transforms of condition numbers {conds}) vs plain bf16, chunks of"
+          f" {CHUNK}: tokens equal for {lens} of {GEN}; mean |logprob diff| {diff:.4g}; plain bf16 vs float32"
+          f" unquantised {scale:.4g}")  # fmt: skip
+    assert diff <= min(2 * scale, 0.1), (lens, diff, scale)
 
 
 @pytest.mark.parametrize("name", list(CODECS))
 def test_per_layer_codecs_are_served_as_calibrated(codec_runs, model_dir, name):
-    """Teacher-forced on vLLM's tokens through QuantizedLatentCache holding the same codec: with the model in BF16 on
-    the same GPU, the bounds of the plain schemes (mean 0.1, each token 1.0); against the float32 simulation,
-    closer than to the unquantised model (as the plain low-bit schemes)."""
+    """Teacher-forced on vLLM's tokens through QuantizedLatentCache holding the same codec. On this prompt, in chunks,
+    quantised, the references themselves part widely: BF16 rounding flips codes, and the flips compound (on the CPU,
+    quantmla's BF16 and float32 paths differ by 0.41 in mean |logprob| for plain C4R4, 0.90 for these transforms), so
+    the plain schemes' fixed bounds do not apply. Bounds: vLLM no further from quantmla's BF16 path on the same GPU
+    than quantmla's float32 path is (mean), and closer to the float32 path than to the unquantised model.
+    The transforms' plumbing is bounded tightly by the exact tests above."""
     got, codec, export = codec_runs[name]
     graphs = all(lay != "c3r4" and fit != "ranges" for lay, fit in CODECS[name])
     assert ("FULL" in got["cudagraph_mode"]) == graphs, got["cudagraph_mode"]
     one = PROMPTS[1:2]
     bf16 = _teacher_forced_logprobs(export, codec, got["tokens"], one, CHUNK, dtype=torch.bfloat16)
-    mean, top = mean_abs_diff(got["logprobs"], bf16), max_abs_diff(got["logprobs"], bf16)
     sim = _teacher_forced_logprobs(export, codec, got["tokens"], one, CHUNK)
     clean = _teacher_forced_logprobs(model_dir, None, got["tokens"], one)
+    mean, top = mean_abs_diff(got["logprobs"], bf16), max_abs_diff(got["logprobs"], bf16)
+    spread, spread_top = mean_abs_diff(sim, bf16), max_abs_diff(sim, bf16)
     engines, damage = mean_abs_diff(got["logprobs"], sim), mean_abs_diff(got["logprobs"], clean)
     conds = [float(torch.linalg.cond(p.transform)) for lay in codec.layers for p in (lay.content, lay.rope)
              if p.transform is not None]  # fmt: skip
     print(f"codec {name} ({got['cudagraph_mode']}): per token |logprob vLLM - quantmla BF16| mean {mean:.3g}, max"
-          f" {top:.3g}; vLLM - quantmla float32 sim {engines:.4g}; vLLM - unquantised {damage:.4g}; the transforms'"
-          f" condition numbers {[round(c, 2) for c in conds]}")  # fmt: skip
-    assert mean <= 0.1 and top <= 1.0, (mean, top)
+          f" {top:.3g}; quantmla float32 - quantmla BF16 mean {spread:.3g}, max {spread_top:.3g}; vLLM - quantmla"
+          f" float32 sim {engines:.4g}; vLLM - unquantised {damage:.4g}; the transforms' condition numbers"
+          f" {[round(c, 2) for c in conds]}")  # fmt: skip
+    assert mean <= spread, (mean, top, spread, spread_top)
     assert engines < damage, (engines, damage)
 
 
