@@ -21,6 +21,8 @@ retrieval sequences, as in RULER-style long-context training:
   where the last tokens occurred and continue from there, whatever the wording;
 * ``end_needle`` of the rows place one asked needle right before the questions (the evaluation's depth 100%: at
   uniform depths one needle in a hundred lands in the last 1% of the haystack, almost none right at its end);
+* ``start_needle`` of the rows place one asked needle at the haystack's first token (the evaluation's depth 0%, where
+  the MLAfication teacher found 3 of 18 needles: at uniform depths almost none lands right at the start);
 * ``short_episodes`` of the rows hold the haystack, needles and questions in their first ``L`` tokens, ``L`` uniform
   from 1,024 (or ``seq``, if shorter) to ``seq``, then a newline and a crop of the train split: questions asked at
   the evaluation's shorter lengths (1K, 2K) instead of always at the row's end.
@@ -77,19 +79,20 @@ class RetrievalMix:
     def __init__(self, tokenizer, train: np.ndarray, seq: int, max_needles: int = 8, pool: int = 4096,
                  seed: int = 0, generated: float = 0.0, same_template: float = 0.0, ask_all: float = 0.0,
                  copy_rows: float = 0.0, family_weights: Mapping[str, float] | None = None,
-                 end_needle: float = 0.0, short_episodes: float = 0.0) -> None:  # fmt: skip
+                 end_needle: float = 0.0, short_episodes: float = 0.0,
+                 start_needle: float = 0.0) -> None:  # fmt: skip
         if seq < 512:
             raise ValueError(f"seq={seq}: retrieval rows need at least 512 tokens")
         for name, share in (("generated", generated), ("same_template", same_template), ("ask_all", ask_all),
                             ("copy_rows", copy_rows), ("end_needle", end_needle),
-                            ("short_episodes", short_episodes)):  # fmt: skip
+                            ("short_episodes", short_episodes), ("start_needle", start_needle)):  # fmt: skip
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"{name}={share}: a share in [0, 1]")
         if family_weights is not None:
             check_weights(family_weights)
         self.train, self.seq, self.max_needles, self.same_template = train, seq, max_needles, same_template
         self.ask_all, self.copy_rows = ask_all, copy_rows
-        self.end_needle, self.short_episodes = end_needle, short_episodes
+        self.end_needle, self.short_episodes, self.start_needle = end_needle, short_episodes, start_needle
         self.newline = np.asarray(tokenizer("\n", add_special_tokens=False)["input_ids"], dtype=np.int64)
         rng = np.random.default_rng(seed)
         fixed = templates("train")
@@ -160,6 +163,12 @@ class RetrievalMix:
             last = asked[int(rng.integers(0, len(asked)))]
             picks = np.asarray([i for i in picks if i != last] + [last])
             spots[-1] = room
+        if self.start_needle and rng.random() < self.start_needle:  # one asked needle first (not the one at the end)
+            free = [i for i in asked if not (at_end and i == picks[-1])]
+            if free:
+                first = free[int(rng.integers(0, len(free)))]
+                picks = np.asarray([first] + [i for i in picks if i != first])
+                spots[0] = 0
         parts, prev = [], 0
         for spot, i in zip(spots, picks, strict=True):
             parts += [hay[prev:spot], self.needles[i]]

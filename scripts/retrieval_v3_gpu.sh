@@ -16,10 +16,12 @@
 #      training); with CAL=1, beside it, the README's calibration comparison on stage 1's weights
 #      (scripts/model_v2_calibration_gpu.sh, held-out NIAH); with REL=1, after it, the seed papers' methods on the
 #      same model (scripts/related_methods_gpu.sh part 8).
+# START_SHARE: the share of retrieval rows with an asked needle at the haystack's first token (0 for model v3; the
+# teacher found 3 of 18 needles at depth 0).
 # collect packs $RES into $OUT every 20 s, so a call cut short still returns what finished.
 set -u
 MIX="--retrieval-share 0.55 --retrieval-generated 0.85 --retrieval-ask-all 0.5 --retrieval-copy 0.3 \
---retrieval-end ${END_SHARE:-0.2} --retrieval-short ${SHORT_SHARE:-0.3} \
+--retrieval-end ${END_SHARE:-0.2} --retrieval-short ${SHORT_SHARE:-0.3} --retrieval-start ${START_SHARE:-0} \
 --retrieval-families memo=3,record=2,kv=2,delimited=2,statement=1,code=1,json=1,dialogue=1"
 R=/tmp/res
 case "${1:-}" in

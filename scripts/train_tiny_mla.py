@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--retrieval-copy", type=float, default=0.0, help="share of retrieval rows that are span copies")
     ap.add_argument("--retrieval-end", type=float, default=0.0,
                     help="share of retrieval rows with one asked needle right before the questions")  # fmt: skip
+    ap.add_argument("--retrieval-start", type=float, default=0.0,
+                    help="share of retrieval rows with one asked needle at the haystack's start")  # fmt: skip
     ap.add_argument("--retrieval-short", type=float, default=0.0,
                     help="share of retrieval rows ending at 1K..seq tokens, plain text after")  # fmt: skip
     ap.add_argument("--retrieval-families", type=family_weights, default=None, metavar="FAMILY=W,...",
@@ -231,7 +233,8 @@ def main() -> None:
                            seed=args.seed, generated=args.retrieval_generated,
                            same_template=args.retrieval_same_template, ask_all=args.retrieval_ask_all,
                            copy_rows=args.retrieval_copy, family_weights=args.retrieval_families,
-                           end_needle=args.retrieval_end, short_episodes=args.retrieval_short)  # fmt: skip
+                           end_needle=args.retrieval_end, short_episodes=args.retrieval_short,
+                           start_needle=args.retrieval_start)  # fmt: skip
     it = batches(train, args.batch, args.seq, gen, mix, args.retrieval_share)
     curve, best = [], (float("inf"), -1)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -225,6 +225,43 @@ def test_end_needle_puts_an_asked_needle_right_before_the_questions(tok):
     assert misses > 10, misses
 
 
+def test_start_needle_puts_an_asked_needle_at_the_haystacks_first_token(tok):
+    rm = _module()
+    train = np.arange(2, 3000, dtype=np.uint16) % 8000 + 2
+    for end in (0.0, 1.0):  # with end_needle too: the start needle is another asked one, where there is one
+        mix = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1, start_needle=1.0, end_needle=end)
+        rng = np.random.default_rng(0)
+        starts = 0
+        for _ in range(20):
+            row, stated, asked = mix.row_parts(rng)
+            first_q, _ = _episode(mix, row, asked)
+            at_start = [i for i in asked if np.array_equal(row[: len(mix.needles[i])], mix.needles[i])]
+            starts += bool(at_start)
+            assert all(0 <= _find(row, mix.needles[i]) < first_q for i in stated)
+            if end:  # an asked needle still ends where the questions start
+                assert any(np.array_equal(row[first_q - len(mix.needles[i]) : first_q], mix.needles[i]) for i in asked)
+        # every row, but for those whose one asked needle is the end one
+        assert starts == 20 if not end else starts >= 10, (end, starts)
+    # without it, depths are uniform: a needle at the very first token is rare
+    plain = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1)
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(20):
+        row, _, asked = plain.row_parts(rng)
+        hits += any(np.array_equal(row[: len(plain.needles[i])], plain.needles[i]) for i in asked)
+    assert hits < 5, hits
+
+
+def test_start_needle_share_unset_leaves_the_rows_as_before(tok):
+    rm = _module()
+    train = np.arange(2, 3000, dtype=np.uint16) % 8000 + 2
+    a = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1, end_needle=0.5)
+    b = rm.RetrievalMix(tok, train, seq=1024, pool=64, seed=1, end_needle=0.5, start_needle=0.0)
+    ra, rb = np.random.default_rng(7), np.random.default_rng(7)
+    for _ in range(10):
+        assert np.array_equal(a.row(ra), b.row(rb))
+
+
 def test_short_episodes_end_early_then_continue_with_train_text(tok):
     rm = _module()
     train = np.random.default_rng(3).integers(2, 8000, 20000).astype(np.uint16)  # its 8-grams occur once
