@@ -16,6 +16,7 @@
 #      training); with CAL=1, beside it, the README's calibration comparison on stage 1's weights
 #      (scripts/model_v2_calibration_gpu.sh, held-out NIAH); with REL=1, after it, the seed papers' methods on the
 #      same model (scripts/related_methods_gpu.sh part 8).
+# TEACHER_FAMILY: gqa (5 layers, default) or gqa-deep (8 layers, the same 8 MB).
 # START_SHARE: the share of retrieval rows with an asked needle at the haystack's first token (0 for model v3; the
 # teacher found 3 of 18 needles at depth 0).
 # collect packs $RES into $OUT every 20 s, so a call cut short still returns what finished.
@@ -41,9 +42,9 @@ launch-stage2)  # stage 2 alone (the teacher; CAL=1: and the calibration on the 
 stage2)  # in the copy of the tree (/tmp/qm), after stage 1, with OUT=/tmp/res
   mkdir -p "$R/teacher" "$R/cal"
   # the teacher (TEACHER=0: none): from scratch, then fine-tuned, in its own copy and work folders
-  [ "${TEACHER:-1}" = 1 ] && (export QM=/tmp/qm2 RES=/tmp/res2 WORK=/tmp/train2 TOK=/tmp/tok2 FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 LAUNCH_WAIT=0
+  [ "${TEACHER:-1}" = 1 ] && (export QM=/tmp/qm2 RES=/tmp/res2 WORK=/tmp/train2 TOK=/tmp/tok2 FAMILY=${TEACHER_FAMILY:-gqa} DATA=.data/gpu-ft BUDGET=1 LAUNCH_WAIT=0
    TRAIN_ARGS="--budget-minutes 0 --max-minutes 30 --steps ${TEACHER_STEPS:-2900}" \
-   AFTER="QM=/tmp/qm3 RES=$R/teacher WORK=/tmp/train3 TOK=/tmp/tok2 OUT=$R/teacher FAMILY=gqa DATA=.data/gpu-ft BUDGET=1 \
+   AFTER="QM=/tmp/qm3 RES=$R/teacher WORK=/tmp/train3 TOK=/tmp/tok2 OUT=$R/teacher FAMILY=${TEACHER_FAMILY:-gqa} DATA=.data/gpu-ft BUDGET=1 \
      TRAIN_ARGS='--init /tmp/train2/model --lr 1e-3 --keep last --warmup 50 --budget-minutes 0 --max-minutes 30 \
      --steps ${TEACHER_FT_STEPS:-2000} $MIX' bash scripts/train_tiny_mla_gpu.sh run > $R/teacher/ft.log 2>&1" \
    bash scripts/train_tiny_mla_gpu.sh launch)

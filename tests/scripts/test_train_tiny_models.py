@@ -17,12 +17,19 @@ def _params(config) -> int:
 
 def test_both_families_fit_their_size_limits():
     train = load_script("scripts/train_tiny_mla.py")
-    mla, gqa = train.model_config(8192, 0, 1), train.gqa_config(8192, 0, 1)
-    assert 2 * _params(mla) < 20e6 and 2 * _params(gqa) < 8e6
-    assert gqa.num_attention_heads > gqa.num_key_value_heads > 1 and gqa.model_type == "qwen3"
-    with torch.device("meta"):
-        attn = AutoModelForCausalLM.from_config(gqa).model.layers[0].self_attn
-    assert hasattr(attn, "q_norm") and hasattr(attn, "k_norm")  # QK-norm: what calibrated KNorm must replace
+    mla = train.model_config(8192, 0, 1)
+    assert 2 * _params(mla) < 20e6
+    for name in ("gqa", "gqa-deep"):
+        gqa = train.FAMILIES[name](8192, 0, 1)
+        assert 2 * _params(gqa) < 8e6, name
+        assert gqa.num_attention_heads > gqa.num_key_value_heads > 1 and gqa.model_type == "qwen3"
+        assert gqa.layer_types == ["full_attention"] * gqa.num_hidden_layers
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(gqa)
+        assert len(model.model.layers) == gqa.num_hidden_layers
+        attn = model.model.layers[0].self_attn
+        assert hasattr(attn, "q_norm") and hasattr(attn, "k_norm")  # QK-norm: what calibrated KNorm must replace
+    assert train.FAMILIES["gqa-deep"](8192, 0, 1).num_hidden_layers == 8
 
 
 def test_niah_through_the_models_own_cache_counts_each_answer_once():
