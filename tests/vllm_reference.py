@@ -37,6 +37,21 @@ def teacher_forced_logprobs(model, scheme: str | None, prompts, tokens, chunk: i
     return out
 
 
+def random_v2(directory) -> str:
+    """The GPU plugin test's model, saved in BF16 to ``directory``: a random DeepSeek-V2 of DeepSeek's MLA dimensions
+    (512 + 64, heads of 128 + 64 / 128; vLLM's CUDA prefill accepts no others), 2 dense layers, seed 0."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                           num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2,
+                           n_routed_experts=4, max_position_embeddings=2048, initializer_range=0.1,
+                           tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
+    torch.manual_seed(0)
+    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(directory)
+    return str(directory)
+
+
 def mean_abs_diff(a, b) -> float:
     d = [abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True)]
     return sum(d) / len(d)

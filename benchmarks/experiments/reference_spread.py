@@ -17,7 +17,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import quantmla  # noqa: E402
 from quantmla.formats.export import read_codec, read_meta  # noqa: E402
-from vllm_reference import codec_export, max_abs_diff, mean_abs_diff, teacher_forced_logprobs  # noqa: E402
+from vllm_reference import (  # noqa: E402
+    codec_export,
+    max_abs_diff,
+    mean_abs_diff,
+    random_v2,
+    teacher_forced_logprobs,
+)
 
 CASES = {  # name: the codec export's layers and options, or a plain scheme
     "bf16": "bf16",
@@ -30,16 +36,9 @@ CASES = {  # name: the codec export's layers and options, or a plain scheme
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg = DeepseekV2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                           num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2,
-                           n_routed_experts=4, max_position_embeddings=2048, initializer_range=0.1,
-                           tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
-    torch.manual_seed(0)
-    model_dir = tempfile.mkdtemp()
-    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+    model_dir = random_v2(tempfile.mkdtemp())
     models = {}
     for dtype in (torch.float32, torch.bfloat16):
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()

@@ -17,7 +17,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU and vLLM (0.26 or 0.33)", allow_module_level=True)
 vllm = pytest.importorskip("vllm", reason="needs vLLM 0.26 or 0.33 on CUDA")
 
-from vllm_reference import codec_export, max_abs_diff, mean_abs_diff, teacher_forced_logprobs  # noqa: E402
+from vllm_reference import (  # noqa: E402
+    codec_export,
+    max_abs_diff,
+    mean_abs_diff,
+    random_v2,
+    teacher_forced_logprobs,
+)
 
 # the CUDA-graph mode is read in the engine core, where vLLM settles it (a backend without full graphs downgrades it
 # there, not in this process's copy of the config): a function sent through collective_rpc, which vLLM pickles only
@@ -34,17 +40,7 @@ CHUNK = 128
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    cfg = DeepseekV2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                           num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
-                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=2,
-                           n_routed_experts=4, max_position_embeddings=2048, initializer_range=0.1,
-                           tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("v2-mla")
-    DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
-    return str(d)
+    return random_v2(tmp_path_factory.mktemp("v2-mla"))
 
 
 def run_engine(model, scheme=None, batched_tokens=2048, prompts=PROMPTS, eager=False, speculative=None, then=(), **kw):
